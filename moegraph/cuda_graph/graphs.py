@@ -1,0 +1,107 @@
+"""Bucketed CUDA graphs of the decode step: capture once per batch-size bucket, replay every step.
+
+Buckets are [1, 2, 4, 8] + range(16, max_batch_size + 1, 16) (plus max_batch_size itself when it
+is not a multiple of 16, so that every size up to it falls in a bucket). A live batch of n rows
+replays the graph of the smallest bucket >= n; rows past n are padding: they read token 0 at
+position 0 of their own cache rows, which no live row ever attends to.
+All graphs share one memory pool and are captured largest first, so the smaller ones reuse the
+memory of the largest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("moegraph")
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch_size]
+    buckets += list(range(16, max_batch_size + 1, 16))
+    if buckets[-1] != max_batch_size:
+        buckets.append(max_batch_size)
+    return buckets
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int:
+    i = bisect.bisect_left(buckets, rows)
+    if i == len(buckets):
+        raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass
+class StaticInputs:
+    """Inputs every graph reads, allocated once at the largest bucket; a bucket uses a prefix."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+
+    @classmethod
+    def allocate(cls, rows: int, device: torch.device) -> "StaticInputs":
+        return cls(torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+    def clear(self) -> None:
+        self.token_ids.zero_()
+        self.positions.zero_()
+
+
+@dataclass
+class BucketGraphs:
+    """The captured graphs, one per bucket, and their outputs (logits [bucket, V] float32)."""
+
+    step: Callable[[int], torch.Tensor]  # rows -> logits, reading StaticInputs and the static cache
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    pool: object = None
+    capture_seconds: float = 0.0
+
+    def capture(self, buckets: list[int], device: torch.device, show_progress: bool = True) -> None:
+        """Warm up and capture each missing bucket, largest first, into the shared pool."""
+        missing = sorted((b for b in buckets if b not in self.graphs), reverse=True)
+        if not missing:
+            return
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        for rows in _progress(missing, show_progress):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.step(rows)  # warm-up: lazy init, backend probes and autotuning stay out of the capture
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[rows] = self.step(rows)
+            self.graphs[rows] = graph
+        torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        logger.info("moegraph: captured %d decode graph(s) (batch buckets %s) in %.2f s",
+                    len(missing), sorted(missing), elapsed)
+
+    def replay(self, rows: int) -> torch.Tensor:
+        self.graphs[rows].replay()
+        return self.outputs[rows]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="moegraph: capturing decode graphs", unit="graph", leave=False)

@@ -1,0 +1,158 @@
+"""Which MoE backend runs on a device, and why.
+
+The answer comes from probes that run the backend on the device (and, on CUDA, capture it in a
+graph), never from version tables alone. It is cached per (device, dtype).
+`MOEGRAPH_MOE_BACKEND=grouped_mm|triton|torch` overrides the automatic choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from .grouped_mm import grouped_mm_available, moe_experts_grouped_mm
+from .reference import moe_experts_ref
+
+logger = logging.getLogger("moegraph")
+
+BACKENDS = ("grouped_mm", "triton", "torch")
+ENV_VAR = "MOEGRAPH_MOE_BACKEND"
+
+# backend name -> experts function (hidden, top_k_index, top_k_weights, experts) -> out
+EXPERT_FUNCTIONS = {
+    "grouped_mm": moe_experts_grouped_mm,
+    "torch": moe_experts_ref,
+}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    capture_safe: bool  # may run inside a captured CUDA graph
+    reason: str
+
+
+class _ProbeExperts(nn.Module):
+    """Just enough of an experts module for a probe: 4 experts, hidden 64, intermediate 32."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 64, 64, generator=gen).to(device, dtype) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(4, 64, 32, generator=gen).to(device, dtype) * 0.1)
+        self.act_fn = nn.functional.silu
+
+
+def _probe_inputs(device, dtype):
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    hidden = torch.randn(5, 64, generator=gen).to(device, dtype)
+    index = torch.randint(0, 4, (5, 2), generator=gen).to(device)
+    weights = torch.rand(5, 2, generator=gen).to(device, dtype)
+    return hidden, index, weights
+
+
+def _probe_grouped_mm_eager(device, dtype) -> str | None:
+    """None when grouped_mm computes the right answer eagerly, else what went wrong."""
+    if not grouped_mm_available():
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    experts = _ProbeExperts(device, dtype)
+    args = _probe_inputs(device, dtype)
+    try:
+        got = moe_experts_grouped_mm(*args, experts)
+    except Exception as exc:  # the probe exists to turn any failure into a fallback
+        return f"grouped_mm failed in {dtype} on {device}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    want = moe_experts_ref(*args, experts)
+    if not torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2):
+        return f"grouped_mm gave wrong results in {dtype} on {device}"
+    return None
+
+
+def _probe_grouped_mm_capture(device, dtype) -> str | None:
+    """None when grouped_mm captures in a CUDA graph and replays correctly, else what went wrong."""
+    experts = _ProbeExperts(device, dtype)
+    static_args = _probe_inputs(device, dtype)
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            moe_experts_grouped_mm(*static_args, experts)  # warm-up outside capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_experts_grouped_mm(*static_args, experts)
+        static_args[2].copy_(static_args[2].flip(0))
+        graph.replay()
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        return f"grouped_mm cannot be captured in a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if not torch.equal(out, moe_experts_grouped_mm(*static_args, experts)):
+        return "grouped_mm replayed from a CUDA graph differs from eager"
+    return None
+
+
+def _normalize_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def _choose(device: torch.device, dtype: torch.dtype, requested: str) -> BackendChoice:
+    if requested == "triton":
+        raise BackendUnavailableError(
+            "MoE backend 'triton' is reserved for moegraph's own fused kernel, which is not available in this "
+            "version. Use moe_backend='grouped_mm' (or 'auto'), or unset MOEGRAPH_MOE_BACKEND."
+        )
+    if requested == "torch":
+        return BackendChoice("torch", False, "requested: reference loop over experts (syncs with the host)")
+
+    eager_problem = _probe_grouped_mm_eager(device, dtype)
+    if eager_problem is not None:
+        if requested == "grouped_mm":
+            raise BackendUnavailableError(f"MoE backend 'grouped_mm' was requested but {eager_problem}. "
+                                          "Use moe_backend='auto' to fall back to the reference loop.")
+        return BackendChoice("torch", False, f"{eager_problem}; using the reference loop")
+    if device.type != "cuda":
+        return BackendChoice("grouped_mm", False, f"grouped_mm runs eagerly on {device.type}; no CUDA graphs there")
+    capture_problem = _probe_grouped_mm_capture(device, dtype)
+    if capture_problem is not None:
+        return BackendChoice("grouped_mm", False, f"{capture_problem}; decoding without graphs")
+    cc = torch.cuda.get_device_capability(device)
+    return BackendChoice("grouped_mm", True, f"grouped_mm runs and captures in {dtype} on sm_{cc[0]}{cc[1]}")
+
+
+def validate_backend_name(name: str) -> str:
+    if name not in BACKENDS + ("auto",):
+        raise InvalidArgumentError(f"moe_backend={name!r} is not a MoE backend; choose one of {('auto',) + BACKENDS}")
+    return name
+
+
+def describe_moe_backend(device=None, dtype: torch.dtype = torch.bfloat16, requested: str = "auto") -> BackendChoice:
+    """The backend that `requested` resolves to on `device` for weights of `dtype`, with the reason.
+
+    The environment variable MOEGRAPH_MOE_BACKEND, when set, wins over `requested`.
+    """
+    env = os.environ.get(ENV_VAR)
+    if env:
+        requested = env.strip().lower()
+        if requested not in BACKENDS + ("auto",):
+            raise InvalidArgumentError(f"{ENV_VAR}={env!r} is not a MoE backend; set it to one of {BACKENDS} or unset it")
+    validate_backend_name(requested)
+    choice = _choose(_normalize_device(device), dtype, requested)
+    if env:
+        choice = BackendChoice(choice.name, choice.capture_safe, f"{ENV_VAR}={env}: {choice.reason}")
+    return choice
+
+
+def select_moe_backend(device=None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Name of the MoE backend moegraph uses on `device`: "grouped_mm", "triton" or "torch"."""
+    return describe_moe_backend(device, dtype).name

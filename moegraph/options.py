@@ -1,0 +1,26 @@
+"""Settings given to `patch()`, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+from .moe.select import validate_backend_name
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    moe_backend: str = "auto"  # "auto" | "grouped_mm" | "triton" | "torch" (MOEGRAPH_MOE_BACKEND wins)
+    cuda_graphs: bool = True  # False: decode with the same loop, eagerly
+    max_batch_size: int = 16  # rows of the static KV cache; larger batches are split into chunks
+    max_seq_len: int | None = None  # positions of the static cache; None: sized by the calls, grown on demand
+    check_every: int = 8  # decode steps between host checks of "all rows finished"
+
+    def __post_init__(self):
+        validate_backend_name(self.moe_backend)
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise InvalidArgumentError(f"max_batch_size must be a positive int, got {self.max_batch_size!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise InvalidArgumentError(f"max_seq_len must be an int >= 2 or None (grow on demand), got {self.max_seq_len!r}")
+        if not isinstance(self.check_every, int) or self.check_every < 1:
+            raise InvalidArgumentError(f"check_every must be a positive int, got {self.check_every!r}")

@@ -1,0 +1,50 @@
+"""Model families moegraph accelerates, keyed by `config.model_type`.
+
+Adding a family is one entry here (and, if its blocks differ, one small forward in moe/).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    modeling_module: str  # where transformers defines the classes below
+    sparse_block_class: str  # its forward is replaced by moe.sparse_moe_forward
+    causal_lm_class: str  # its generate is wrapped by the graph decoder
+
+    def module(self):
+        return importlib.import_module(self.modeling_module)
+
+    def sparse_block(self) -> type:
+        return getattr(self.module(), self.sparse_block_class)
+
+    def causal_lm(self) -> type:
+        return getattr(self.module(), self.causal_lm_class)
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "qwen3_moe": ModelFamily(
+        model_type="qwen3_moe",
+        modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+        sparse_block_class="Qwen3MoeSparseMoeBlock",
+        causal_lm_class="Qwen3MoeForCausalLM",
+    ),
+}
+
+
+def family_of(model) -> ModelFamily:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        found = f"model_type={model_type!r}" if model_type else "no `config.model_type`"
+        raise UnsupportedModelError(
+            f"moegraph.patch() got {type(model).__name__} with {found}; supported model types: "
+            f"{sorted(FAMILIES)} (Qwen3-MoE: Qwen3-30B-A3B and its family). Leave other models unpatched."
+        )
+    return FAMILIES[model_type]

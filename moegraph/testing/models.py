@@ -1,0 +1,124 @@
+"""Random-weight Qwen3-MoE models built from named configs, for tests and benchmarks.
+
+No downloads: weights come from the model's own initializer under a fixed seed, created directly
+on the target device in the target dtype (a 60 GB model never passes through CPU memory).
+The router weights are random too: zero router weights would send every token to the same
+experts and make a benchmark read far fewer expert bytes than a real model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+# name -> Qwen3MoeConfig keyword arguments
+CONFIGS: dict[str, dict] = {
+    # CPU tests: every code path of the real model at a size that runs in milliseconds.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    # The real Qwen3-30B-A3B shapes.
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    ),
+}
+
+
+def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
+    """A Qwen3MoeConfig for a named preset; `num_layers` and any config field can be overridden."""
+    from transformers import Qwen3MoeConfig
+
+    if name not in CONFIGS:
+        raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
+    kwargs = dict(CONFIGS[name])
+    if num_layers is not None:
+        if num_layers < 1:
+            raise InvalidArgumentError(f"num_layers must be >= 1, got {num_layers}")
+        kwargs["num_hidden_layers"] = num_layers
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    name: str = "tiny",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    num_layers: int | None = None,
+    attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
+    **overrides,
+):
+    """A Qwen3MoeForCausalLM with random weights, built on `device` in `dtype`, deterministic by seed."""
+    from transformers import Qwen3MoeForCausalLM
+
+    config = make_config(name, num_layers=num_layers, **overrides)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    torch.manual_seed(seed)
+    with torch.device(device), _default_dtype(dtype):
+        model = Qwen3MoeForCausalLM(config)
+    return model.eval()
+
+
+def random_prompts(batch_size: int, *, vocab_size: int, min_len: int = 4, max_len: int = 16, seed: int = 0,
+                   pad_token_id: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Left-padded `input_ids` + `attention_mask` of random token ids, lengths in [min_len, max_len]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=gen)
+    width = int(lengths.max())
+    input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+    for row, length in enumerate(lengths.tolist()):
+        input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=gen)
+        attention_mask[row, width - length:] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
