@@ -1,0 +1,124 @@
+"""`python -m moegraph demo|info|parity|bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _info(args) -> int:
+    import platform
+
+    import torch
+    import transformers
+
+    import moegraph
+    from moegraph.moe.select import describe_moe_backend
+
+    print(f"moegraph       {moegraph.__version__}")
+    print(f"python         {platform.python_version()}")
+    print(f"torch          {torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"transformers   {transformers.__version__}")
+    for name in ("triton", "bitsandbytes"):
+        try:
+            module = __import__(name)
+            print(f"{name:<14} {module.__version__}")
+        except Exception as exc:  # an optional package may be missing or broken; say which
+            print(f"{name:<14} unavailable ({type(exc).__name__})")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        cc = torch.cuda.get_device_capability(device)
+        print(f"device         {torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})")
+    else:
+        device = torch.device("cpu")
+        print("device         cpu (no CUDA GPU visible)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    choice = describe_moe_backend(device, dtype)
+    print(f"moe backend    {choice.name} for {dtype} ({'capture-safe' if choice.capture_safe else 'eager only'}): "
+          f"{choice.reason}")
+    return 0
+
+
+def _demo(args) -> int:
+    import time
+
+    import torch
+
+    import moegraph
+    from moegraph.testing import build_model, random_prompts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model("tiny", device=device, dtype=dtype, seed=0)
+    prompts = random_prompts(args.batch_size, vocab_size=model.config.vocab_size, seed=0, device=device)
+    kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id)
+    print(f"demo: tiny random Qwen3-MoE on {device} ({dtype}), batch {args.batch_size}, {args.new_tokens} new tokens")
+
+    def timed_generate():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(**prompts, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    timed_generate()  # warm-up
+    reference, hf_seconds = timed_generate()
+    moegraph.patch(model)
+    timed_generate()  # first call allocates the cache and captures the graphs
+    patched, mg_seconds = timed_generate()
+    stats = moegraph.decode_stats(model)
+    tokens = args.batch_size * args.new_tokens
+    same = torch.equal(reference, patched)
+    mode = "CUDA graphs" if stats.graphs else "eager decode loop (no CUDA graphs on this device)"
+    print(f"transformers generate : {tokens / hf_seconds:8.1f} tok/s")
+    print(f"moegraph ({mode}): {tokens / mg_seconds:8.1f} tok/s, host {stats.host_ms_per_step:.3f} ms/step")
+    print(f"tokens equal to unpatched transformers: {same}")
+    moegraph.unpatch(model)
+    return 0 if same else 1
+
+
+def _parity(args) -> int:
+    from .parity import run_parity
+
+    return run_parity(args)
+
+
+def _bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moegraph", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log moegraph's decisions (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, device, the MoE backend chosen and why").set_defaults(func=_info)
+
+    demo = sub.add_parser("demo", help="tiny random model: patched vs unpatched tokens and speed")
+    demo.add_argument("--batch-size", type=int, default=4)
+    demo.add_argument("--new-tokens", type=int, default=32)
+    demo.set_defaults(func=_demo)
+
+    parity = sub.add_parser("parity", help="greedy tokens: graph vs eager vs pure transformers")
+    parity.add_argument("--model", default=None, help="config name (default: qwen3-30b-a3b on GPU, tiny on CPU)")
+    parity.add_argument("--num-layers", type=int, default=None)
+    parity.add_argument("--new-tokens", type=int, default=32)
+    parity.set_defaults(func=_parity)
+
+    from .bench import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="decode benchmark against transformers, with the bandwidth roofline")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
+                        stream=sys.stderr)
+    return args.func(args)

@@ -1,0 +1,166 @@
+"""patch / unpatch: identity, idempotence, scopes, errors."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
+
+import moegraph
+from moegraph.testing import build_model, make_config, random_prompts
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _blocks(model):
+    return [m for m in model.modules() if isinstance(m, qwen3.Qwen3MoeSparseMoeBlock)]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mlp_only_layers": [0, 2]}, {"norm_topk_prob": False},
+                                       {"decoder_sparse_step": 2}])
+def test_patched_model_logits_equal_unpatched(overrides):
+    model = build_model("tiny", experts_implementation="eager", **overrides)
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=2)
+    want = _logits(model, inputs)
+    moegraph.patch(model)
+    got = _logits(model, inputs)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    dense = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, qwen3.Qwen3MoeMLP)]
+    assert len(dense) == model.config.num_hidden_layers - len(_blocks(model))
+    assert all("forward" not in vars(mlp) for mlp in dense)  # dense MLP layers stay as they are
+
+
+def test_router_logits_still_returned():
+    model = build_model("tiny")
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+    with torch.no_grad():
+        want = model(**inputs, output_router_logits=True)
+        moegraph.patch(model)
+        got = model(**inputs, output_router_logits=True)
+    assert len(got.router_logits) == model.config.num_hidden_layers
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
+
+
+def test_patch_is_idempotent_and_unpatch_restores_identical_objects():
+    model = build_model("tiny")
+    class_forward = vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"]
+    class_generate = qwen3.Qwen3MoeForCausalLM.generate
+    assert moegraph.patch(model) is model
+    wrapped = [b.forward for b in _blocks(model)]
+    generate = model.generate
+    moegraph.patch(model)  # again: nothing more
+    assert [b.forward for b in _blocks(model)] == wrapped and model.generate is generate
+    assert moegraph.is_patched(model)
+    moegraph.unpatch(model)
+    assert not moegraph.is_patched(model)
+    assert all("forward" not in vars(b) for b in _blocks(model))
+    assert "generate" not in vars(model)
+    assert vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"] is class_forward
+    assert qwen3.Qwen3MoeForCausalLM.generate is class_generate
+    moegraph.unpatch(model)  # unpatching an unpatched model is a no-op
+
+
+def test_model_patch_leaves_other_models_untouched():
+    patched, other = build_model("tiny", seed=0), build_model("tiny", seed=0)
+    moegraph.patch(patched)
+    assert not moegraph.is_patched(other)
+    assert all("forward" not in vars(b) for b in _blocks(other))
+    assert "generate" not in vars(other)
+
+
+def test_class_patch_before_from_config_and_unpatch():
+    original = vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"]
+    reference = build_model("tiny", experts_implementation="eager")
+    inputs = random_prompts(2, vocab_size=reference.config.vocab_size)
+    want = _logits(reference, inputs)
+    moegraph.patch()
+    moegraph.patch()  # idempotent
+    assert moegraph.is_patched()
+    model = build_model("tiny", experts_implementation="eager")  # built after the class patch
+    assert moegraph.is_patched(model)
+    assert torch.allclose(_logits(model, inputs), want, rtol=1e-5, atol=1e-5)
+    moegraph.unpatch()
+    assert not moegraph.is_patched() and not moegraph.is_patched(model)
+    assert vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"] is original
+
+
+def test_instance_patch_on_class_patched_model():
+    moegraph.patch()
+    model = build_model("tiny")
+    moegraph.patch(model)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 4
+    moegraph.unpatch(model)
+    moegraph.unpatch()
+    assert not moegraph.is_patched(model)
+
+
+def test_unsupported_model_raises_with_type_and_supported_list():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    llama = LlamaForCausalLM(config)
+    with pytest.raises(moegraph.UnsupportedModelError, match=r"model_type='llama'.*qwen3_moe"):
+        moegraph.patch(llama)
+    with pytest.raises(moegraph.UnsupportedModelError, match="nn.Module"):
+        moegraph.patch("Qwen/Qwen3-30B-A3B")
+
+
+def test_old_transformers_version_is_refused(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(moegraph.UnsupportedVersionError, match=r"transformers >= 5.*4\.57\.1"):
+        moegraph.patch(build_model("tiny"))
+
+
+def test_bad_options_raise_clear_errors():
+    model = build_model("tiny")
+    with pytest.raises(moegraph.InvalidArgumentError, match="moe_backend='fast'"):
+        moegraph.patch(model, moe_backend="fast")
+    with pytest.raises(moegraph.InvalidArgumentError, match="max_batch_size"):
+        moegraph.patch(model, max_batch_size=0)
+    with pytest.raises(moegraph.BackendUnavailableError, match="triton"):
+        moegraph.patch(model, moe_backend="triton")
+    with pytest.raises(TypeError):
+        moegraph.patch(model, no_such_option=1)
+    assert not moegraph.is_patched(model)
+
+
+def test_select_moe_backend_on_cpu_and_env_override(monkeypatch):
+    from moegraph.moe.select import describe_moe_backend
+
+    choice = describe_moe_backend("cpu", torch.float32)
+    assert choice.name == "grouped_mm" and not choice.capture_safe and "cpu" in choice.reason
+    assert moegraph.select_moe_backend("cpu", torch.float32) == "grouped_mm"
+    monkeypatch.setenv("MOEGRAPH_MOE_BACKEND", "torch")
+    assert moegraph.select_moe_backend("cpu", torch.float32) == "torch"
+    assert "MOEGRAPH_MOE_BACKEND" in describe_moe_backend("cpu", torch.float32).reason
+    monkeypatch.setenv("MOEGRAPH_MOE_BACKEND", "nope")
+    with pytest.raises(moegraph.InvalidArgumentError, match="MOEGRAPH_MOE_BACKEND"):
+        moegraph.select_moe_backend("cpu")
+
+
+def test_patch_has_no_effect_at_import():
+    import importlib
+
+    importlib.reload(moegraph)
+    assert not moegraph.is_patched()
+    assert "forward" in vars(qwen3.Qwen3MoeSparseMoeBlock)
+    assert not hasattr(vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"], "__wrapped__")
+
+
+def test_testing_builders_are_deterministic_and_route_randomly():
+    a, b = build_model("tiny", seed=7), build_model("tiny", seed=7)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    assert a.model.layers[0].mlp.gate.weight.abs().sum() > 0  # random router, not zeros
+    config = make_config("qwen3-30b-a3b", num_layers=2)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_experts, config.num_experts_per_tok) == (2, 2048, 128, 8)
+    assert (config.moe_intermediate_size, config.head_dim, config.vocab_size) == (768, 128, 151936)
+    with pytest.raises(moegraph.InvalidArgumentError, match="unknown model config"):
+        make_config("gpt5")
