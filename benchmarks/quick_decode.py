@@ -1,0 +1,70 @@
+"""Quick GPU look, for iteration: decode tok/s of transformers vs moegraph (eager loop / graphs) on a
+few full-size layers, and the kernels one decode step launches per layer.
+Final figures come from `python -m moegraph bench`."""
+
+import argparse
+import time
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import moegraph
+from moegraph.testing import build_model, random_prompts
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def kernels_of_one_step(model, num_layers):
+    moegraph.patch(model, max_batch_size=8)
+    inputs = random_prompts(1, vocab_size=model.config.vocab_size, device="cuda")
+    model.generate(**inputs, max_new_tokens=8)
+    decoder = model._moegraph_state.decoder
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder._forward(1)
+        torch.cuda.synchronize()
+    moegraph.unpatch(model)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    print(f"eager decode step: {len(kernels)} kernels, {len(kernels) / num_layers:.1f} per layer")
+    for name, count in Counter(e.name[:90] for e in kernels).most_common(30):
+        print(f"  {count:5d}  {name}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,8")
+    args = parser.parse_args()
+    model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
+    kernels_of_one_step(model, args.num_layers)
+    rows = []
+    for bs in map(int, args.batch_sizes.split(",")):
+        inputs = random_prompts(bs, vocab_size=model.config.vocab_size, min_len=16, max_len=128, device="cuda")
+        kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        model.generate(**inputs, max_new_tokens=4)
+        ref, t_hf = timed(lambda: model.generate(**inputs, **kw))
+        rows.append((bs, "hf", bs * args.new_tokens / t_hf, float("nan"), float("nan"), 0.0, 1.0))
+        for graphs in (False, True):
+            moegraph.patch(model, cuda_graphs=graphs, max_batch_size=max(bs, 8))
+            model.generate(**inputs, **kw)
+            out, t = timed(lambda: model.generate(**inputs, **kw))
+            st = moegraph.decode_stats(model)
+            same = (out == ref).float().mean().item()
+            rows.append((bs, "graphs" if graphs else "eager", bs * args.new_tokens / t,
+                         1e3 * st.decode_seconds / st.steps, st.host_ms_per_step, st.capture_seconds, same))
+            moegraph.unpatch(model)
+    print(f"layers={args.num_layers} new_tokens={args.new_tokens}")
+    print(f"{'bs':>4} {'path':>7} {'tok/s':>9} {'ms/step':>8} {'host ms':>8} {'capture s':>9} {'eq hf':>6}")
+    for r in rows:
+        print(f"{r[0]:>4} {r[1]:>7} {r[2]:9.1f} {r[3]:8.2f} {r[4]:8.3f} {r[5]:9.2f} {r[6]:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
