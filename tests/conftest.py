@@ -1,7 +1,14 @@
 import logging
+import os
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Run moegraph's Triton kernels on the CPU through Triton's interpreter. Triton reads this when a
+    # kernel is decorated, so it is set before moegraph is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

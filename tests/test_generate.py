@@ -181,3 +181,15 @@ def test_static_cache_grows_when_a_call_needs_more(model, moegraph_logs):
 def test_capture_requires_a_patched_model(model):
     with pytest.raises(moegraph.InvalidArgumentError, match="patch"):
         moegraph.capture(model)
+
+
+def test_reference_ops_path_equals_transformers(model, monkeypatch):
+    """The decode step with moegraph's plain-torch references (what a CPU without Triton runs)."""
+    from moegraph.cuda_graph import decoder
+    from moegraph.cuda_graph.decode_step import REFERENCE_OPS
+
+    monkeypatch.setattr(decoder, "decode_ops", lambda *args: REFERENCE_OPS)
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=21)
+    want, got, stats = _both(model, inputs, max_new_tokens=12, do_sample=False)
+    assert stats.fallback_reason is None
+    assert torch.equal(got, want)

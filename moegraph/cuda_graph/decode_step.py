@@ -1,54 +1,87 @@
-"""One decode step of a Qwen3-MoE causal LM over the static cache: new token per row -> logits.
+"""One decode step of a Qwen3-MoE causal LM over the static cache: one new token per row -> logits.
 
-Every shape is fixed by the row count and the cache size, nothing syncs with the host, and the
-cache write is an index_put at per-row positions: the function is what each bucket's graph
-captures, and also what the eager loop runs.
-Reuses the model's own modules (norms, projections, MoE block, which may be moegraph's patched
-block or bitsandbytes layers), so weights are never copied.
+Every shape is fixed by the row count and the cache size and nothing syncs with the host: this
+function is what each bucket's graph captures, and also what the eager loop runs. It reuses the
+model's own weights (never copied); on CUDA it runs moegraph's fused Triton kernels, elsewhere
+their plain-torch references, which compute what transformers' modules compute.
+
+Per layer: add+RMSNorm, q/k/v projections, one fused q/k-norm + RoPE + cache-write kernel,
+attention over the row's cached positions, o projection, add+RMSNorm, MoE (or dense MLP).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
+from ..kernels import moe_combine, qk_norm_rope, rms_norm, router_topk, triton_available
+from ..moe.select import EXPERT_FUNCTIONS
 from .static_cache import StaticKVCache
 
+FUSED_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm,
+                            qk_norm_rope=qk_norm_rope.qk_norm_rope, router_topk=router_topk.router_topk,
+                            moe_combine=moe_combine.moe_combine)
+REFERENCE_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
+                                qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, router_topk=router_topk.router_topk_ref,
+                                moe_combine=moe_combine.moe_combine_ref)
 
-def decode_forward(model: nn.Module, apply_rotary, cache: StaticKVCache, token_ids: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
+
+def decode_ops(device_tensor: torch.Tensor, head_dim: int) -> SimpleNamespace:
+    """The fused kernels where Triton runs (CUDA), the references elsewhere."""
+    if triton_available(device_tensor) and head_dim & (head_dim - 1) == 0:
+        return FUSED_OPS
+    return REFERENCE_OPS
+
+
+def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                   moe_backend: str, ops: SimpleNamespace) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32."""
     inner = model.model
-    rows = token_ids.shape[0]
-    hidden = inner.embed_tokens(token_ids[:, None])  # [b, 1, H]
-    cos, sin = inner.rotary_emb(hidden, positions[:, None])  # [b, 1, D]
+    layers = inner.layers
+    residual = inner.embed_tokens(token_ids)  # [b, H]
+    cos, sin = inner.rotary_emb(residual[:, None], positions[:, None])  # [b, 1, D]
     # [b, 1, 1, S]: position p is visible to a row once p <= the row's current position
     visible = (torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
-    row_index = torch.arange(rows, device=token_ids.device)
-    for layer_idx, layer in enumerate(inner.layers):
-        attn_out = _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, apply_rotary,
-                              cache.keys[layer_idx][:rows], cache.values[layer_idx][:rows],
-                              row_index, positions, visible)
-        hidden = hidden + attn_out
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    hidden = inner.norm(hidden)
-    return model.lm_head(hidden[:, 0]).float()
+    first_norm = layers[0].input_layernorm
+    hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
+    for layer_idx, layer in enumerate(layers):
+        attn_out = _attention(layer.self_attn, hidden, cos, sin, positions, visible,
+                              cache.keys[layer_idx], cache.values[layer_idx], ops)
+        post = layer.post_attention_layernorm
+        residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
+        if hasattr(layer.mlp, "experts"):
+            mlp_out = decode_moe(layer.mlp, hidden, moe_backend, ops)
+        else:
+            mlp_out = layer.mlp(hidden)
+        norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
+        residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
+    return model.lm_head(hidden).float()
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, apply_rotary, keys: torch.Tensor,
-               values: torch.Tensor, row_index: torch.Tensor, positions: torch.Tensor,
-               visible: torch.Tensor) -> torch.Tensor:
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+               ops) -> torch.Tensor:
     rows = hidden.shape[0]
     head_dim = attn.head_dim
-    kv_heads = keys.shape[1]
-    q = attn.q_norm(attn.q_proj(hidden).view(rows, 1, -1, head_dim)).transpose(1, 2)  # [b, Hq, 1, D]
-    k = attn.k_norm(attn.k_proj(hidden).view(rows, 1, -1, head_dim)).transpose(1, 2)  # [b, Hkv, 1, D]
-    v = attn.v_proj(hidden).view(rows, 1, -1, head_dim).transpose(1, 2)
-    q, k = apply_rotary(q, k, cos, sin)
-    keys[row_index, :, positions] = k[:, :, 0]
-    values[row_index, :, positions] = v[:, :, 0]
+    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    q = ops.qk_norm_rope(attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden), attn.q_norm.weight,
+                         attn.k_norm.weight, cos, sin, positions, key_cache, value_cache,
+                         attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
     # One query token per row: fold the query heads of each KV group into the query-length axis,
     # so attention reads each cached K/V once instead of expanding it per query head.
-    q = q.reshape(rows, kv_heads, -1, head_dim)  # [b, Hkv, G, D]
-    out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling)
-    return attn.o_proj(out.reshape(rows, 1, -1))  # [b, 1, H]
+    q = q.reshape(rows, key_cache.shape[1], -1, head_dim)  # [b, Hkv, G, D]
+    out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
+                                                     scale=attn.scaling)
+    return attn.o_proj(out.reshape(rows, -1))  # [b, H]
+
+
+def decode_moe(block: nn.Module, hidden: torch.Tensor, moe_backend: str, ops) -> torch.Tensor:
+    """The sparse block for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
+    gate = block.gate
+    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
+    if moe_backend == "grouped_mm":
+        return EXPERT_FUNCTIONS["grouped_mm"](hidden, top_k_index, top_k_weights, block.experts,
+                                              combine=ops.moe_combine)
+    return EXPERT_FUNCTIONS[moe_backend](hidden, top_k_index, top_k_weights, block.experts)

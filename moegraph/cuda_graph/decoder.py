@@ -22,7 +22,7 @@ from ..moe.select import describe_moe_backend
 from ..options import PatchOptions
 from ..patches.registry import family_of
 from . import support
-from .decode_step import decode_forward
+from .decode_step import decode_forward, decode_ops
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for
 from .static_cache import SEQ_ALIGN, StaticKVCache, round_up
 
@@ -68,7 +68,7 @@ class GraphDecoder:
     def __init__(self, model: nn.Module, options: PatchOptions):
         self.model = model
         self.options = options
-        self.apply_rotary = family_of(model).module().apply_rotary_pos_emb
+        family_of(model)  # raises for a model the decode step does not know
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -264,8 +264,8 @@ class GraphDecoder:
         return self._forward(rows)
 
     def _forward(self, rows: int) -> torch.Tensor:
-        return decode_forward(self.model, self.apply_rotary, self.cache, self.inputs.token_ids[:rows],
-                              self.inputs.positions[:rows])
+        return decode_forward(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
+                              self._moe_backend, self._ops)
 
     # ----- static cache and graphs ------------------------------------------------------------
     def _ensure_capacity(self, rows: int, max_length: int, use_graphs: bool | None = None) -> None:
@@ -298,6 +298,8 @@ class GraphDecoder:
             kv_heads=config.num_key_value_heads, head_dim=head_dim,
             dtype=self.model.model.embed_tokens.weight.dtype, device=device)
         self.inputs = StaticInputs.allocate(rows, device)
+        self._ops = decode_ops(self.inputs.token_ids, head_dim)
+        self._moe_backend = describe_moe_backend(device, self._expert_dtype, self.options.moe_backend).name
         self.graphs = BucketGraphs(step=self._forward)
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)

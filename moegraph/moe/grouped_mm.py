@@ -24,7 +24,10 @@ def moe_experts_grouped_mm(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     experts: nn.Module,
+    combine=None,
 ) -> torch.Tensor:
+    """combine(expert_out [T*K, H], position [T*K], weights [T, K], dtype) -> [T, H], where
+    position[p] is the row of pair p in expert_out; default: inverse permutation + float32 sum."""
     num_tokens, hidden_dim = hidden.shape
     top_k = top_k_index.shape[1]
     num_experts = experts.gate_up_proj.shape[0]
@@ -42,6 +45,9 @@ def moe_experts_grouped_mm(
     act = experts.act_fn(gate) * up  # [T*K, I]
     down = _grouped_mm(act, experts.down_proj.transpose(-2, -1), offs=offsets)  # [T*K, H]
 
+    if combine is not None:
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return combine(down, position, top_k_weights, hidden.dtype)
     per_pair = torch.empty_like(down).index_copy_(0, order, down)  # back to token-major order
     weighted = per_pair.view(num_tokens, top_k, hidden_dim).float() * top_k_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden.dtype)

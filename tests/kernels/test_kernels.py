@@ -1,0 +1,87 @@
+"""Each Triton kernel against its plain-torch reference: shapes x dtypes, fresh random inputs.
+
+On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); its bf16
+conversion may truncate, so bf16 is checked within two bf16 ulps there, exactly on the GPU.
+"""
+
+import pytest
+import torch
+
+from moegraph.kernels import moe_combine, qk_norm_rope, rms_norm, router_topk, triton_available
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_available(torch.empty(0, device=DEVICE)), reason="Triton cannot run here")
+# (dtype, atol, rtol): fp32 is one rounding of the same math; bf16 a couple of ulps at |x| ~ 4
+TOLERANCES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 6e-2, 2e-2)]
+
+
+def _randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (5, 48), (8, 2048)])
+def test_rms_norm(dtype, atol, rtol, rows, hidden):
+    x, res, w = _randn(rows, hidden, dtype=dtype, seed=1), _randn(rows, hidden, dtype=dtype, seed=2), \
+        _randn(hidden, dtype=dtype, seed=3)
+    torch.testing.assert_close(rms_norm.rms_norm(x, w, 1e-6), rms_norm.rms_norm_ref(x, w, 1e-6), atol=atol, rtol=rtol)
+    got_sum, got = rms_norm.add_rms_norm(res, x, w, 1e-6)
+    want_sum, want = rms_norm.add_rms_norm_ref(res, x, w, 1e-6)
+    torch.testing.assert_close(got_sum, want_sum, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("rows, q_heads, kv_heads, head_dim", [(1, 4, 2, 16), (3, 32, 4, 128)])
+def test_qk_norm_rope_writes_cache_at_positions(dtype, atol, rtol, rows, q_heads, kv_heads, head_dim):
+    positions_count = 12
+    q = _randn(rows, q_heads * head_dim, dtype=dtype, seed=4)
+    k = _randn(rows, kv_heads * head_dim, dtype=dtype, seed=5)
+    v = _randn(rows, kv_heads * head_dim, dtype=dtype, seed=6)
+    qw, kw = _randn(head_dim, dtype=dtype, seed=7), _randn(head_dim, dtype=dtype, seed=8)
+    angle = _randn(rows, head_dim, dtype=torch.float32, seed=9)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    positions = torch.randint(0, positions_count, (rows,), generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    caches = [torch.full((rows + 1, kv_heads, positions_count, head_dim), 7.0, dtype=dtype, device=DEVICE)
+              for _ in range(4)]  # poisoned: every element the kernel should not write stays 7
+    got = qk_norm_rope.qk_norm_rope(q, k, v, qw, kw, cos, sin, positions, caches[0], caches[1], 1e-6)
+    want = qk_norm_rope.qk_norm_rope_ref(q, k, v, qw, kw, cos, sin, positions, caches[2], caches[3], 1e-6)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(caches[0], caches[2], atol=atol, rtol=rtol)
+    assert torch.equal(caches[1], caches[3])  # V is copied, not computed
+    written = torch.zeros(caches[0].shape[:3], dtype=torch.bool, device=DEVICE)
+    written[torch.arange(rows, device=DEVICE), :, positions] = True
+    assert (caches[0][~written] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 128, 8), (64, 60, 4)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_topk(dtype, tokens, experts, top_k, normalize):
+    logits = _randn(tokens, experts, dtype=dtype, seed=11)
+    got_w, got_i = router_topk.router_topk(logits, top_k, normalize)
+    want_w, want_i = router_topk.router_topk_ref(logits, top_k, normalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    # equal probabilities (frequent among bf16 logits) may be picked in another order: compare what was picked
+    assert torch.equal(probs.gather(1, got_i), probs.gather(1, want_i))
+    assert (got_i.sort(dim=1).values.diff(dim=1) > 0).all()  # k distinct experts per token
+    torch.testing.assert_close(got_w.float(), want_w.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_router_topk_ties_pick_lower_index():
+    logits = torch.zeros(2, 8, device=DEVICE)
+    weights, index = router_topk.router_topk(logits, 3, True)
+    assert index.tolist() == [[0, 1, 2], [0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 2048), (3, 2, 300), (16, 8, 64)])
+def test_moe_combine(dtype, atol, rtol, tokens, top_k, hidden):
+    expert_out = _randn(tokens * top_k, hidden, dtype=dtype, seed=12)
+    position = torch.randperm(tokens * top_k, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(14)).to(DEVICE, dtype)
+    got = moe_combine.moe_combine(expert_out, position, weights, dtype)
+    want = moe_combine.moe_combine_ref(expert_out, position, weights, dtype)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
