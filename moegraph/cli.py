@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3, help="timed runs per case (median reported)")
     bench.add_argument("--budget-s", type=float, default=45.0,
                        help="time budget per backend and batch size; over it a case is reported, not run")
+    bench.add_argument("--total-budget-s", type=float, default=540.0,
+                       help="wall-clock budget of the whole run; cases that no longer fit are reported as over budget")
     bench.add_argument("--quant", choices=["none", "nf4"], default="none")
     bench.add_argument("--profile", action="store_true", help="kernels per layer and top kernels of one step")
     bench.add_argument("--out", default="results", help="folder for the JSON and the PNG plot")
