@@ -3,22 +3,14 @@ few full-size layers, and the kernels one decode step launches per layer.
 Final figures come from `python -m moegraph bench`."""
 
 import argparse
-import time
 from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moegraph
+from moegraph.bench import timed_call as timed
 from moegraph.testing import build_model, random_prompts
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
 
 
 def kernels_of_one_step(model, num_layers):

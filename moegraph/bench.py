@@ -101,7 +101,8 @@ def step_bytes(config, batch_size: int, distinct_experts: float, context: float,
     return parts
 
 
-def _sync_time(fn):
+def timed_call(fn):
+    """(fn(), seconds), with the device synchronized before and after."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = fn()
@@ -152,9 +153,9 @@ class Runner:
         torch.cuda.reset_peak_memory_stats()
         # a 2-token first call (graph capture, compilation), then a short warm-up that gives the
         # per-token estimate used to fit the budget
-        _, case.first_call_s = _sync_time(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 2)))
+        _, case.first_call_s = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 2)))
         warm_tokens = 4
-        _, warm_s = _sync_time(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, warm_tokens)))
+        _, warm_s = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, warm_tokens)))
         estimate = warm_s * n / warm_tokens
         budget = min(self.args.budget_s, self.deadline - time.perf_counter())
         runs = min(self.args.runs, int(budget // max(estimate, 1e-3)))
@@ -165,7 +166,7 @@ class Runner:
             case.notes.append(f"timed runs trimmed {self.args.runs}->{runs} to fit {budget:.0f} s")
         totals, prefills, decodes = [], [], []
         for _ in range(runs):
-            _, total = _sync_time(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, n)))
+            _, total = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, n)))
             totals.append(total)
             if backend.startswith("moegraph"):
                 stats = moegraph.decode_stats(self.model)
@@ -173,7 +174,7 @@ class Runner:
                 decodes.append(stats.decode_seconds / max(stats.steps - 1, 1))
                 case.capture_s = stats.capture_seconds
         if not backend.startswith("moegraph"):
-            _, prefill = _sync_time(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 1)))
+            _, prefill = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 1)))
             prefills = [prefill]
             decodes = [(t - prefill) / (n - 1) for t in totals]
         case.runs = runs

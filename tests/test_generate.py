@@ -193,3 +193,21 @@ def test_reference_ops_path_equals_transformers(model, monkeypatch):
     want, got, stats = _both(model, inputs, max_new_tokens=12, do_sample=False)
     assert stats.fallback_reason is None
     assert torch.equal(got, want)
+
+
+def test_failed_capture_warns_and_decodes_eagerly(model, monkeypatch, caplog):
+    """A capture that raises must give one warning and the same tokens from the eager loop."""
+    from moegraph.cuda_graph import decoder, graphs
+
+    def broken_capture(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decoder.GraphDecoder, "graphs_enabled",
+                        lambda self: self._capture_error is None)  # pretend graphs were possible here
+    monkeypatch.setattr(graphs.BucketGraphs, "capture", broken_capture)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=22)
+    want, got, stats = _both(model, inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert not stats.graphs
+    warnings = [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING

@@ -75,6 +75,7 @@ class GraphDecoder:
         self.graphs: BucketGraphs | None = None
         self.stats = DecodeStats()
         self._warned: set[str] = set()
+        self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
         self._expert_dtype = _expert_dtype(model)
 
     # ----- lifecycle -------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class GraphDecoder:
 
     def graphs_enabled(self) -> bool:
         device = self.model.device
-        if device.type != "cuda" or not self.options.cuda_graphs:
+        if device.type != "cuda" or not self.options.cuda_graphs or self._capture_error is not None:
             return False
         choice = describe_moe_backend(device, self._expert_dtype, self.options.moe_backend)
         if not choice.capture_safe:
@@ -183,7 +184,17 @@ class GraphDecoder:
         device = input_ids.device
         max_new = call.max_length - prompt_len
         use_graphs = self.graphs_enabled()
-        self._ensure_capacity(rows, call.max_length, use_graphs)
+        try:
+            self._ensure_capacity(rows, call.max_length, use_graphs)
+        except Exception as exc:  # a failed capture must not lose the output: decode eagerly instead
+            if not use_graphs:
+                raise
+            self._capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._warn_once(f"moegraph: CUDA graph capture failed ({self._capture_error}); decoding eagerly")
+            if self.graphs is not None:
+                self.graphs.release()
+            use_graphs = False
+            self._ensure_capacity(rows, call.max_length, use_graphs)
         stats = DecodeStats(graphs=use_graphs, batch_size=rows,
                             capture_seconds=self.graphs.capture_seconds if self.graphs else 0.0)
 
