@@ -164,3 +164,24 @@ def test_testing_builders_are_deterministic_and_route_randomly():
     assert (config.moe_intermediate_size, config.head_dim, config.vocab_size) == (768, 128, 151936)
     with pytest.raises(moegraph.InvalidArgumentError, match="unknown model config"):
         make_config("gpt5")
+
+
+def test_works_without_triton_installed():
+    """Where Triton is missing (macOS, CPU-only wheels) moegraph imports and decodes with its torch references."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch, moegraph\n"
+        "from moegraph.kernels import triton_available\n"
+        "from moegraph.testing import build_model, random_prompts\n"
+        "assert not triton_available(torch.empty(0))\n"
+        "m = build_model('tiny'); p = random_prompts(2, vocab_size=512)\n"
+        "want = m.generate(**p, max_new_tokens=5, do_sample=False)\n"
+        "moegraph.patch(m); got = m.generate(**p, max_new_tokens=5, do_sample=False)\n"
+        "assert moegraph.decode_stats(m).fallback_reason is None and torch.equal(got, want)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

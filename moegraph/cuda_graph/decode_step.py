@@ -16,15 +16,17 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..kernels import moe_combine, qk_norm_rope, rms_norm, router_topk, triton_available
+from ..kernels import moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
 from ..moe.select import EXPERT_FUNCTIONS
 from .static_cache import StaticKVCache
 
 FUSED_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm,
                             qk_norm_rope=qk_norm_rope.qk_norm_rope, router_topk=router_topk.router_topk,
+                            moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
                             moe_combine=moe_combine.moe_combine)
 REFERENCE_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
                                 qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, router_topk=router_topk.router_topk_ref,
+                                moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
                                 moe_combine=moe_combine.moe_combine_ref)
 
 
@@ -42,8 +44,11 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
     cos, sin = inner.rotary_emb(residual[:, None], positions[:, None])  # [b, 1, D]
-    # [b, 1, 1, S]: position p is visible to a row once p <= the row's current position
-    visible = (torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
+    # [b, 1, 1, S] additive mask, built once per step (a boolean mask would be converted in every layer):
+    # position p is visible to a row once p <= the row's current position
+    visible = torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None]
+    visible = torch.zeros(visible.shape, dtype=residual.dtype, device=residual.device).masked_fill_(
+        ~visible, float("-inf"))[:, None, None, :]
     first_norm = layers[0].input_layernorm
     hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
     for layer_idx, layer in enumerate(layers):
@@ -82,6 +87,5 @@ def decode_moe(block: nn.Module, hidden: torch.Tensor, moe_backend: str, ops) ->
     router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
     if moe_backend == "grouped_mm":
-        return EXPERT_FUNCTIONS["grouped_mm"](hidden, top_k_index, top_k_weights, block.experts,
-                                              combine=ops.moe_combine)
+        return EXPERT_FUNCTIONS["grouped_mm"](hidden, top_k_index, top_k_weights, block.experts, ops=ops)
     return EXPERT_FUNCTIONS[moe_backend](hidden, top_k_index, top_k_weights, block.experts)

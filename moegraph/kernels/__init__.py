@@ -4,21 +4,12 @@
 TRITON_INTERPRET=1 for tests on the CPU); callers use the `_ref` functions otherwise.
 """
 
-import functools
 import os
 
-
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+from ._triton import HAVE_TRITON
 
 
 def triton_available(tensor) -> bool:
-    if not _triton_importable():
+    if not HAVE_TRITON:
         return False
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

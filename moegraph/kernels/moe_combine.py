@@ -9,8 +9,7 @@ Capture-safe: grid (T, H / BLOCK).
 """
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 BLOCK_H = 256  # a 2048-wide hidden row in 8 programs: enough programs for small T on 132 SMs
 

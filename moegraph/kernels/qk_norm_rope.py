@@ -10,9 +10,7 @@ Capture-safe: grid (b, Hq + Hkv), positions read on the device.
 """
 
 import torch
-import triton
-import triton.language as tl
-
+from ._triton import tl, triton
 
 @triton.jit
 def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr):

@@ -8,9 +8,7 @@ Capture-safe: one launch, grid fixed by R, no host sync.
 """
 
 import torch
-import triton
-import triton.language as tl
-
+from ._triton import tl, triton
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,

@@ -8,9 +8,7 @@ Capture-safe: grid (T,), no host sync.
 """
 
 import torch
-import triton
-import triton.language as tl
-
+from ._triton import tl, triton
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, index_ptr, num_experts, TOP_K: tl.constexpr,

@@ -3,16 +3,25 @@
 Shapes: hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H],
 down_proj [E, H, I]; returns [T, H] in the dtype of hidden.
 
-Capture-safe: every shape depends on T and K only. Tokens per expert are counted with
-`scatter_add_` on the device (never `bincount`/`nonzero`/`.item()`), the pair order comes from
-a device sort, and the combine is a deterministic inverse permutation plus a sum over K in
+Capture-safe: every shape depends on T and K only. Pairs are grouped by expert on the device:
+a stable sort plus `scatter_add_` counts (never `bincount`/`nonzero`/`.item()`), or in the decode
+step moegraph's counting-sort kernel; the combine is a deterministic gather plus a sum over K in
 float32 (no atomics), so a replayed graph is bit-identical to the eager call.
 """
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from ..kernels.moe_align import moe_align_ref
+from ..kernels.moe_combine import moe_combine_ref
+from ..kernels.silu_mul import silu_mul_ref
+
 _grouped_mm = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+_REFERENCE_OPS = SimpleNamespace(moe_align=moe_align_ref, silu_mul=silu_mul_ref, moe_combine=moe_combine_ref)
 
 
 def grouped_mm_available() -> bool:
@@ -24,30 +33,20 @@ def moe_experts_grouped_mm(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     experts: nn.Module,
-    combine=None,
+    ops=None,
 ) -> torch.Tensor:
-    """combine(expert_out [T*K, H], position [T*K], weights [T, K], dtype) -> [T, H], where
-    position[p] is the row of pair p in expert_out; default: inverse permutation + float32 sum."""
-    num_tokens, hidden_dim = hidden.shape
-    top_k = top_k_index.shape[1]
+    """ops: where moe_align / silu_mul / moe_combine come from (moegraph's Triton kernels in the
+    decode step); default: their plain-torch references, fine for any token count."""
+    ops = ops or _REFERENCE_OPS
     num_experts = experts.gate_up_proj.shape[0]
-
-    expert_of_pair = top_k_index.reshape(-1)  # [T*K]
-    sorted_experts, order = torch.sort(expert_of_pair, stable=True)  # [T*K]
-    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
-    tokens_per_expert.scatter_add_(0, sorted_experts, torch.ones_like(sorted_experts, dtype=torch.int32))
-    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)  # [E], end of each group
-
+    token_of_slot, position, offsets = ops.moe_align(top_k_index, num_experts)  # [T*K], [T*K], [E]
     weight_dtype = experts.gate_up_proj.dtype
-    pairs = hidden.index_select(0, order // top_k).to(weight_dtype)  # [T*K, H], grouped by expert
+    pairs = hidden.index_select(0, token_of_slot).to(weight_dtype)  # [T*K, H], grouped by expert
     gate_up = _grouped_mm(pairs, experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # [T*K, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = experts.act_fn(gate) * up  # [T*K, I]
+    if getattr(getattr(experts, "config", None), "hidden_act", None) == "silu":
+        act = ops.silu_mul(gate_up)  # [T*K, I]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = experts.act_fn(gate) * up
     down = _grouped_mm(act, experts.down_proj.transpose(-2, -1), offs=offsets)  # [T*K, H]
-
-    if combine is not None:
-        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return combine(down, position, top_k_weights, hidden.dtype)
-    per_pair = torch.empty_like(down).index_copy_(0, order, down)  # back to token-major order
-    weighted = per_pair.view(num_tokens, top_k, hidden_dim).float() * top_k_weights.float().unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden.dtype)
+    return ops.moe_combine(down, position, top_k_weights, hidden.dtype)

@@ -85,3 +85,29 @@ def test_moe_combine(dtype, atol, rtol, tokens, top_k, hidden):
     got = moe_combine.moe_combine(expert_out, position, weights, dtype)
     want = moe_combine.moe_combine_ref(expert_out, position, weights, dtype)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (5, 2, 8), (64, 8, 128), (33, 4, 60)])
+def test_moe_align_is_a_stable_grouping(tokens, top_k, experts):
+    from moegraph.kernels import moe_align
+
+    gen = torch.Generator().manual_seed(tokens)
+    index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    index[0] = index[-1]  # repeated expert sets: several pairs share experts
+    got = moe_align.moe_align(index, experts)
+    want = moe_align.moe_align_ref(index, experts)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    token_of_slot, position, offsets = got
+    flat = index.reshape(-1)
+    assert torch.equal(token_of_slot[position], torch.arange(flat.numel(), device=DEVICE) // top_k)
+    assert int(offsets[-1]) == flat.numel()
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("rows, inter", [(1, 768), (7, 32), (64, 300)])
+def test_silu_mul(dtype, atol, rtol, rows, inter):
+    from moegraph.kernels import silu_mul
+
+    gate_up = _randn(rows, 2 * inter, dtype=dtype, seed=15)
+    torch.testing.assert_close(silu_mul.silu_mul(gate_up), silu_mul.silu_mul_ref(gate_up), atol=atol, rtol=rtol)
