@@ -265,8 +265,13 @@ def run_bench(args) -> int:
         "moegraph": moegraph.__version__, "model": "qwen3-30b-a3b (random weights)", "num_layers": args.num_layers,
         "new_tokens": args.new_tokens, "copy_bandwidth_tb_s": bandwidth / 1e12, "cases": [], "roofline": {},
     }
+    from moegraph.moe.select import describe_moe_backend
+
+    choice = describe_moe_backend("cuda", torch.bfloat16)
+    results["moe_backend"] = f"{choice.name}: {choice.reason}"
     print(f"bench: {results['gpu']}, torch {results['torch']}, transformers {results['transformers']}, "
-          f"{args.num_layers} layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+          f"{args.num_layers} layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s, moegraph MoE backend "
+          f"{results['moe_backend']}", flush=True)
     runner = Runner(model, args, deadline)
     prompts = {}
     for batch_size in batch_sizes:
@@ -310,7 +315,8 @@ def _table(cases, results, elapsed) -> str:
     hf = {c.batch_size: c.tok_s for c in cases if c.backend == "hf" and c.status == "ok"}
     head = (f"\n{results['gpu']} | torch {results['torch']} | transformers {results['transformers']} | "
             f"{results['date']} | {results['num_layers']} layers bf16 | {results['new_tokens']} new tokens | "
-            f"copy {results['copy_bandwidth_tb_s']:.2f} TB/s | {elapsed:.0f} s\n")
+            f"copy {results['copy_bandwidth_tb_s']:.2f} TB/s | moegraph MoE {results['moe_backend'].split(':')[0]} | "
+            f"{elapsed:.0f} s\n")
     rows = [f"{'backend':<18} {'bs':>3} {'tok/s':>8} {'decode tok/s':>12} {'ms/step':>8} {'prefill ms':>10} "
             f"{'vs hf':>6} {'roofline':>8} {'peak GB':>7} {'capture s':>9} {'1st call s':>10}  status"]
     for c in cases:

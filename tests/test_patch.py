@@ -124,10 +124,22 @@ def test_bad_options_raise_clear_errors():
         moegraph.patch(model, moe_backend="fast")
     with pytest.raises(moegraph.InvalidArgumentError, match="max_batch_size"):
         moegraph.patch(model, max_batch_size=0)
-    with pytest.raises(moegraph.BackendUnavailableError, match="triton"):
-        moegraph.patch(model, moe_backend="triton")
     with pytest.raises(TypeError):
         moegraph.patch(model, no_such_option=1)
+    assert not moegraph.is_patched(model)
+
+
+def test_unavailable_explicit_backend_is_refused_at_patch(monkeypatch):
+    from moegraph.moe import select
+
+    model = build_model("tiny")
+    monkeypatch.setattr(select, "triton_available", lambda tensor: False)
+    select._choose.cache_clear()
+    try:
+        with pytest.raises(moegraph.BackendUnavailableError, match="'triton' was requested"):
+            moegraph.patch(model, moe_backend="triton")
+    finally:
+        select._choose.cache_clear()
     assert not moegraph.is_patched(model)
 
 

@@ -86,6 +86,6 @@ def decode_moe(block: nn.Module, hidden: torch.Tensor, moe_backend: str, ops) ->
     gate = block.gate
     router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
-    if moe_backend == "grouped_mm":
-        return EXPERT_FUNCTIONS["grouped_mm"](hidden, top_k_index, top_k_weights, block.experts, ops=ops)
-    return EXPERT_FUNCTIONS[moe_backend](hidden, top_k_index, top_k_weights, block.experts)
+    if moe_backend == "torch":
+        return EXPERT_FUNCTIONS["torch"](hidden, top_k_index, top_k_weights, block.experts)
+    return EXPERT_FUNCTIONS[moe_backend](hidden, top_k_index, top_k_weights, block.experts, ops=ops)

@@ -1,6 +1,6 @@
 """Weighted combine of per-(token, expert) outputs back into tokens, in one launch.
 
-moe_combine(expert_out [T*K, H] grouped by expert, position [T*K], weights [T, K]) -> [T, H],
+moe_combine(expert_out [>= T*K, H] grouped by expert (padding rows allowed), position [T*K], weights [T, K]) -> [T, H],
 out[t] = sum_k weights[t, k] * expert_out[position[t*K + k]], accumulated in float32 in slot
 order (deterministic: no atomics), rounded once to the output dtype. `position[p]` is where
 pair p landed after the sort by expert. Replaces the inverse permutation, casts, multiply and
@@ -33,8 +33,9 @@ def moe_combine(expert_out: torch.Tensor, position: torch.Tensor, weights: torch
                 out_dtype: torch.dtype) -> torch.Tensor:
     tokens, top_k = weights.shape
     hidden = expert_out.shape[1]
-    if expert_out.shape[0] != tokens * top_k or position.numel() != tokens * top_k:
-        raise ValueError(f"moe_combine: expected {tokens * top_k} pairs, got {expert_out.shape[0]} / {position.numel()}")
+    if expert_out.shape[0] < tokens * top_k or position.numel() != tokens * top_k:
+        raise ValueError(f"moe_combine: expected {tokens * top_k} pairs, got {expert_out.shape[0]} rows / "
+                         f"{position.numel()} positions")
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=expert_out.device)
     grid = (tokens, triton.cdiv(hidden, BLOCK_H))
     _moe_combine_kernel[grid](expert_out.contiguous(), position.contiguous(), weights.contiguous(), out, hidden,

@@ -16,17 +16,22 @@ import torch
 from torch import nn
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..kernels import triton_available
 from .grouped_mm import grouped_mm_available, moe_experts_grouped_mm
 from .reference import moe_experts_ref
+from .triton_experts import moe_experts_triton
 
 logger = logging.getLogger("moegraph")
 
 BACKENDS = ("grouped_mm", "triton", "torch")
+# "auto" on CUDA tries these in order (the first that runs correctly wins)
+AUTO_ORDER_CUDA = ("grouped_mm", "triton")
 ENV_VAR = "MOEGRAPH_MOE_BACKEND"
 
 # backend name -> experts function (hidden, top_k_index, top_k_weights, experts) -> out
 EXPERT_FUNCTIONS = {
     "grouped_mm": moe_experts_grouped_mm,
+    "triton": moe_experts_triton,
     "torch": moe_experts_ref,
 }
 
@@ -58,42 +63,41 @@ def _probe_inputs(device, dtype):
     return hidden, index, weights
 
 
-def _probe_grouped_mm_eager(device, dtype) -> str | None:
-    """None when grouped_mm computes the right answer eagerly, else what went wrong."""
-    if not grouped_mm_available():
-        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+def _probe_eager(name: str, device, dtype) -> str | None:
+    """None when backend `name` computes the right answer eagerly, else what went wrong."""
     experts = _ProbeExperts(device, dtype)
     args = _probe_inputs(device, dtype)
     try:
-        got = moe_experts_grouped_mm(*args, experts)
+        got = EXPERT_FUNCTIONS[name](*args, experts)
     except Exception as exc:  # the probe exists to turn any failure into a fallback
-        return f"grouped_mm failed in {dtype} on {device}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return f"{name} failed in {dtype} on {device}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
     want = moe_experts_ref(*args, experts)
     if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=5e-2):
-        return f"grouped_mm gave wrong results in {dtype} on {device}"
+        return f"{name} gave wrong results in {dtype} on {device}"
     return None
 
 
-def _probe_grouped_mm_capture(device, dtype) -> str | None:
-    """None when grouped_mm captures in a CUDA graph and replays correctly, else what went wrong."""
+def _probe_capture(name: str, device, dtype) -> str | None:
+    """None when backend `name` captures in a CUDA graph and replays like eager, else what went wrong."""
     experts = _ProbeExperts(device, dtype)
     static_args = _probe_inputs(device, dtype)
+    fn = EXPERT_FUNCTIONS[name]
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            moe_experts_grouped_mm(*static_args, experts)  # warm-up outside capture
+            fn(*static_args, experts)  # warm-up outside capture
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe_experts_grouped_mm(*static_args, experts)
+            out = fn(*static_args, experts)
         static_args[2].copy_(static_args[2].flip(0))
         graph.replay()
         torch.cuda.synchronize(device)
     except Exception as exc:
-        return f"grouped_mm cannot be captured in a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-    if not torch.equal(out, moe_experts_grouped_mm(*static_args, experts)):
-        return "grouped_mm replayed from a CUDA graph differs from eager"
+        return f"{name} cannot be captured in a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if not torch.equal(out, fn(*static_args, experts)):
+        return f"{name} replayed from a CUDA graph differs from eager"
     return None
 
 
@@ -108,27 +112,38 @@ def _normalize_device(device) -> torch.device:
 
 @functools.lru_cache(maxsize=None)
 def _choose(device: torch.device, dtype: torch.dtype, requested: str) -> BackendChoice:
-    if requested == "triton":
-        raise BackendUnavailableError(
-            "MoE backend 'triton' is reserved for moegraph's own fused kernel, which is not available in this "
-            "version. Use moe_backend='grouped_mm' (or 'auto'), or unset MOEGRAPH_MOE_BACKEND."
-        )
     if requested == "torch":
         return BackendChoice("torch", False, "requested: reference loop over experts (syncs with the host)")
+    problems = []
+    for name in _candidates(device, requested):
+        problem = _usable(name, device, dtype)
+        if problem is None:
+            if device.type != "cuda":
+                return BackendChoice(name, False, f"{name} runs eagerly on {device.type}; no CUDA graphs there")
+            capture_problem = _probe_capture(name, device, dtype)
+            if capture_problem is not None:
+                return BackendChoice(name, False, f"{capture_problem}; decoding without graphs")
+            cc = torch.cuda.get_device_capability(device)
+            return BackendChoice(name, True, f"{name} runs and captures in {dtype} on sm_{cc[0]}{cc[1]}")
+        if requested != "auto":
+            raise BackendUnavailableError(f"MoE backend {name!r} was requested but {problem}. "
+                                          "Use moe_backend='auto' to let moegraph choose.")
+        problems.append(problem)
+    return BackendChoice("torch", False, f"{'; '.join(problems)}; using the reference loop")
 
-    eager_problem = _probe_grouped_mm_eager(device, dtype)
-    if eager_problem is not None:
-        if requested == "grouped_mm":
-            raise BackendUnavailableError(f"MoE backend 'grouped_mm' was requested but {eager_problem}. "
-                                          "Use moe_backend='auto' to fall back to the reference loop.")
-        return BackendChoice("torch", False, f"{eager_problem}; using the reference loop")
-    if device.type != "cuda":
-        return BackendChoice("grouped_mm", False, f"grouped_mm runs eagerly on {device.type}; no CUDA graphs there")
-    capture_problem = _probe_grouped_mm_capture(device, dtype)
-    if capture_problem is not None:
-        return BackendChoice("grouped_mm", False, f"{capture_problem}; decoding without graphs")
-    cc = torch.cuda.get_device_capability(device)
-    return BackendChoice("grouped_mm", True, f"grouped_mm runs and captures in {dtype} on sm_{cc[0]}{cc[1]}")
+
+def _candidates(device: torch.device, requested: str) -> tuple[str, ...]:
+    if requested != "auto":
+        return (requested,)
+    return AUTO_ORDER_CUDA if device.type == "cuda" else ("grouped_mm",)
+
+
+def _usable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if name == "grouped_mm" and not grouped_mm_available():
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if name == "triton" and not triton_available(torch.empty(0, device=device)):
+        return f"moegraph's Triton kernels cannot run on {device.type} here (Triton missing, or no GPU)"
+    return _probe_eager(name, device, dtype)
 
 
 def validate_backend_name(name: str) -> str:

@@ -124,6 +124,12 @@ def _patch_model(model: nn.Module, options: PatchOptions) -> nn.Module:
         if options != state.options:
             logger.warning("moegraph: model already patched with %s; keeping those options", state.options)
         return model
+    if options.moe_backend != "auto":  # an explicit backend must run here: say so now, not at the first forward
+        from ..moe.select import describe_moe_backend
+
+        experts = next((m.experts for m in model.modules() if isinstance(m, family.sparse_block())), None)
+        if experts is not None:
+            describe_moe_backend(experts.gate_up_proj.device, experts.gate_up_proj.dtype, options.moe_backend)
     patches = PatchSet()
     block_class = family.sparse_block()
     moe_wrapper = _moe_forward_wrapper(options)
@@ -152,11 +158,6 @@ def patch(model: nn.Module | None = None, **options) -> nn.Module | None:
     """
     check_transformers_version()
     opts = PatchOptions(**options)
-    if opts.moe_backend != "auto":
-        from ..moe.select import describe_moe_backend
-
-        if opts.moe_backend == "triton":
-            describe_moe_backend("cpu", requested="triton")  # raises with the reason
     if model is None:
         _patch_classes(opts)
         return None

@@ -1,0 +1,160 @@
+"""Decode-time MoE experts in three launches: group pairs into expert blocks, [gate_up GEMM + SwiGLU],
+[down GEMM]; the weighted combine is moe_combine.
+
+fused_moe_experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H],
+down_proj [E, H, I]) -> [T, H].
+Pairs are laid out in blocks of BLOCK_M slots, each block holding pairs of one expert (padding
+slots point at token -1), so a program reads its expert's weight tile once for up to BLOCK_M
+tokens and experts nobody routed to are never read. Operands are upcast from bf16 to float32
+before tl.dot (exact: a bf16 value is exact in tf32, so products match bf16 tensor-core
+products; Triton's CPU interpreter also mishandles bf16 dots); accumulation is float32 and the
+outputs round where the eager path rounds (projection, silu, product).
+Capture-safe: grids sized for the worst case (every expert with a partial block), programs of
+idle blocks exit at once, no host sync. For T*K above MAX_PAIRS callers use grouped_mm.
+"""
+
+import torch
+
+from ._triton import tl, triton
+from .moe_align import MAX_PAIRS  # noqa: F401  (callers check the pair count against it)
+
+BLOCK_M = 16  # slots per block: the smallest tl.dot M; decode blocks rarely hold more pairs
+GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) columns in 24 programs per block: 192 programs at batch 1
+DOWN_BLOCK_N = 64  # 2048 output columns in 32 programs per block
+BLOCK_K = 128
+
+
+@triton.jit
+def _align_blocks_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_ptr, num_pairs, num_experts,
+                         num_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = i < num_pairs
+    expert_i = tl.load(expert_ptr + i, mask=i_mask, other=-1)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(0, num_pairs, BLOCK_I):
+        j = j0 + tl.arange(0, BLOCK_I)
+        expert_j = tl.load(expert_ptr + j, mask=j < num_pairs, other=-1)
+        counts += tl.sum((expert_j[None, :] == experts[:, None]).to(tl.int32), axis=1)
+        rank += tl.sum(((expert_i[:, None] == expert_j[None, :]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    start_i = tl.sum(tl.where(expert_i[:, None] == experts[None, :], starts[None, :], 0), axis=1)
+    slot = start_i + rank
+    tl.store(position_ptr + i, slot.to(tl.int64), mask=i_mask)
+    tl.store(slot_token_ptr + slot, (i // TOP_K).to(tl.int64), mask=i_mask)
+    if pid == 0:
+        total = tl.sum(padded, axis=0)
+        for b0 in range(0, num_blocks, BLOCK_I):
+            b = b0 + tl.arange(0, BLOCK_I)
+            first_slot = b * BLOCK_M
+            owner = tl.sum((ends[None, :] <= first_slot[:, None]).to(tl.int32), axis=1)  # experts ending before
+            owner = tl.where(first_slot < total, owner, -1)
+            tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, slot_token_ptr, block_expert_ptr, act_ptr, hidden, inter,
+                         stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = tl.load(slot_token_ptr + rows)
+    valid = token >= 0
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < inter
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < hidden
+        x = tl.load(x_ptr + token[:, None] * hidden + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w_gate = tl.load(w_expert + n[:, None] * hidden + k[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w_expert + (inter + n[:, None]) * hidden + k[None, :], mask=w_mask, other=0.0)
+        xf = x.to(tl.float32)
+        acc_gate += tl.dot(xf, tl.trans(w_gate.to(tl.float32)))
+        acc_up += tl.dot(xf, tl.trans(w_up.to(tl.float32)))
+    out_dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(out_dtype).to(tl.float32)
+    up = acc_up.to(out_dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_dtype).to(tl.float32) * up
+    tl.store(act_ptr + rows[:, None] * inter + n[None, :], act.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, slot_token_ptr, block_expert_ptr, out_ptr, hidden, inter, stride_we,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = tl.load(slot_token_ptr + rows) >= 0
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < inter
+        a = tl.load(act_ptr + rows[:, None] * inter + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_expert + n[:, None] * inter + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+    tl.store(out_ptr + rows[:, None] * hidden + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+def align_blocks(top_k_index: torch.Tensor, num_experts: int):
+    """(position [T*K], slot_token [slots] with -1 padding, block_expert [blocks] with -1 idle)."""
+    num_pairs = top_k_index.numel()
+    num_blocks = triton.cdiv(num_pairs, BLOCK_M) + num_experts  # each expert adds at most one partial block
+    experts = top_k_index.reshape(-1).contiguous()
+    position = torch.empty(num_pairs, dtype=torch.long, device=experts.device)
+    slot_token = torch.full((num_blocks * BLOCK_M,), -1, dtype=torch.long, device=experts.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=experts.device)
+    _align_blocks_kernel[(triton.cdiv(num_pairs, 64),)](
+        experts, position, slot_token, block_expert, num_pairs, num_experts, num_blocks,
+        TOP_K=top_k_index.shape[-1], BLOCK_M=BLOCK_M, BLOCK_I=64, BLOCK_E=triton.next_power_of_2(num_experts))
+    return position, slot_token, block_expert
+
+
+def fused_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, combine):
+    num_experts, two_inter, hidden_dim = gate_up_proj.shape
+    inter = two_inter // 2
+    if hidden.shape[1] != hidden_dim or down_proj.shape[1:] != (hidden_dim, inter):
+        raise ValueError(f"fused_moe_experts: hidden {tuple(hidden.shape)} does not fit gate_up_proj "
+                         f"{tuple(gate_up_proj.shape)} / down_proj {tuple(down_proj.shape)}")
+    if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
+        raise ValueError("fused_moe_experts: expert weights must be contiguous [E, 2I, H] and [E, H, I]")
+    position, slot_token, block_expert = align_blocks(top_k_index, num_experts)
+    num_blocks = block_expert.numel()
+    x = hidden.to(gate_up_proj.dtype).contiguous()
+    act = torch.empty(slot_token.numel(), inter, dtype=gate_up_proj.dtype, device=hidden.device)
+    _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+        x, gate_up_proj, slot_token, block_expert, act, hidden_dim, inter, gate_up_proj.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K)
+    down = torch.empty(slot_token.numel(), hidden_dim, dtype=gate_up_proj.dtype, device=hidden.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, DOWN_BLOCK_N))](
+        act, down_proj, slot_token, block_expert, down, hidden_dim, inter, down_proj.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K)
+    return combine(down, position, top_k_weights, hidden.dtype)
+
+
+def fused_moe_experts_ref(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, combine=None):
+    """Float32 loop over the routed experts (the math the kernels do, before their roundings)."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for token in range(hidden.shape[0]):
+        for slot in range(top_k_index.shape[1]):
+            e = int(top_k_index[token, slot])
+            gate, up = (gate_up_proj[e].float() @ hidden[token].float()).chunk(2)
+            y = down_proj[e].float() @ (torch.nn.functional.silu(gate) * up)
+            out[token] += top_k_weights[token, slot].float() * y
+    return out.to(hidden.dtype)
