@@ -1,4 +1,4 @@
-"""MoE backends (grouped_mm, torch reference; triton reserved) and how one is chosen."""
+"""MoE backends (triton fused kernels, grouped_mm, torch reference) and how one is chosen."""
 
 from .block import sparse_moe_forward
 from .grouped_mm import moe_experts_grouped_mm
