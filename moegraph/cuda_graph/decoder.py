@@ -113,9 +113,12 @@ class GraphDecoder:
         return hf_generate(*args, custom_generate=decode, **kwargs)
 
     def _fall_back(self, reason: str, hf_generate, args, kwargs):
+        self._record_fallback(reason)
+        return hf_generate(*args, **kwargs)
+
+    def _record_fallback(self, reason: str) -> None:
         logger.info("moegraph: generate() falls back to transformers: %s is not supported by the graph decoder", reason)
         self.stats = DecodeStats(fallback_reason=reason)
-        return hf_generate(*args, **kwargs)
 
     def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
         attention_mask = model_kwargs.get("attention_mask")
@@ -126,9 +129,7 @@ class GraphDecoder:
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 
-            logger.info("moegraph: generate() falls back to transformers: %s is not supported by the graph decoder",
-                        reason)
-            self.stats = DecodeStats(fallback_reason=reason)
+            self._record_fallback(reason)
             return GenerationMixin._sample(self.model, input_ids, logits_processor=logits_processor,
                                            stopping_criteria=stopping_criteria, generation_config=generation_config,
                                            synced_gpus=False, streamer=streamer, **model_kwargs)
