@@ -223,3 +223,27 @@ def test_triton_moe_backend_equals_transformers(model):
     moegraph.unpatch(model)
     assert stats.fallback_reason is None
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["num_return_sequences", "positional_without_mask", "use_cache_false",
+                                  "one_new_token"])
+def test_more_generate_forms_equal_transformers(model, case):
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=24)
+    args, kwargs = (), dict(inputs, max_new_tokens=6, do_sample=False)
+    if case == "num_return_sequences":
+        kwargs.update(do_sample=True, num_return_sequences=3)
+    elif case == "positional_without_mask":
+        args, kwargs = (inputs["input_ids"][:1, -5:],), dict(max_new_tokens=6, do_sample=False)
+    elif case == "use_cache_false":
+        kwargs["use_cache"] = False
+    else:
+        kwargs["max_new_tokens"] = 1
+    torch.manual_seed(0)
+    want = model.generate(*args, **kwargs)
+    moegraph.patch(model)
+    torch.manual_seed(0)
+    got = model.generate(*args, **kwargs)
+    stats = moegraph.decode_stats(model)
+    moegraph.unpatch(model)
+    assert stats.fallback_reason is None
+    assert torch.equal(got, want)
