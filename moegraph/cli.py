@@ -14,7 +14,7 @@ def _info(args) -> int:
     import transformers
 
     import moegraph
-    from moegraph.moe.select import describe_moe_backend
+    from moegraph.ops import resolve_ops
 
     print(f"moegraph       {moegraph.__version__}")
     print(f"python         {platform.python_version()}")
@@ -34,9 +34,9 @@ def _info(args) -> int:
         device = torch.device("cpu")
         print("device         cpu (no CUDA GPU visible)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    choice = describe_moe_backend(device, dtype)
-    print(f"moe backend    {choice.name} for {dtype} ({'capture-safe' if choice.capture_safe else 'eager only'}): "
-          f"{choice.reason}")
+    ops = resolve_ops(device, dtype)
+    print(f"moe backend    {ops.moe_backend} for {dtype} ({'capture-safe' if ops.capture_safe else 'eager only'})")
+    print(ops.describe())
     return 0
 
 

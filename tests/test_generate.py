@@ -183,14 +183,19 @@ def test_capture_requires_a_patched_model(model):
         moegraph.capture(model)
 
 
-def test_reference_ops_path_equals_transformers(model, monkeypatch):
-    """The decode step with moegraph's plain-torch references (what a CPU without Triton runs)."""
-    from moegraph.cuda_graph import decoder
-    from moegraph.cuda_graph.decode_step import REFERENCE_OPS
+def test_triton_decode_kernels_equal_transformers(monkeypatch):
+    """The decode step with moegraph's Triton kernels (what CUDA runs), here through Triton's interpreter.
 
-    monkeypatch.setattr(decoder, "decode_ops", lambda *args: REFERENCE_OPS)
+    On the CPU the op table picks the plain-torch references; this forces the kernels, on a 1-layer model
+    so that the interpreter stays quick."""
+    from moegraph import ops
+    from moegraph.cuda_graph import decoder
+
+    model = build_model("tiny", seed=4, num_layers=1)
+    monkeypatch.setattr(decoder, "ops_for_model",
+                        lambda m, backend="auto": ops.ops_for_model(m, backend, kernels="triton"))
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=21)
-    want, got, stats = _both(model, inputs, max_new_tokens=12, do_sample=False)
+    want, got, stats = _both(model, inputs, max_new_tokens=6, do_sample=False)
     assert stats.fallback_reason is None
     assert torch.equal(got, want)
 

@@ -5,8 +5,14 @@ import copy
 import pytest
 import torch
 
-from moegraph.moe import moe_experts_grouped_mm, moe_experts_ref, sparse_moe_forward
+from moegraph.moe import moe_experts_grouped_mm, moe_experts_ref
+from moegraph.moe.block import sparse_moe_forward as _sparse_moe_forward
+from moegraph.ops import ops_for_experts
 from moegraph.testing import build_model
+
+
+def sparse_moe_forward(block, hidden, backend):
+    return _sparse_moe_forward(block, hidden, ops_for_experts(block.experts, backend))
 
 
 def _block(dtype=torch.float32, seed=0, **overrides):

@@ -131,15 +131,16 @@ def test_bad_options_raise_clear_errors():
 
 def test_unavailable_explicit_backend_is_refused_at_patch(monkeypatch):
     from moegraph.moe import select
+    from moegraph.ops import forget_choices
 
     model = build_model("tiny")
     monkeypatch.setattr(select, "triton_available", lambda tensor: False)
-    select._choose.cache_clear()
+    forget_choices()
     try:
         with pytest.raises(moegraph.BackendUnavailableError, match="'triton' was requested"):
             moegraph.patch(model, moe_backend="triton")
     finally:
-        select._choose.cache_clear()
+        forget_choices()
     assert not moegraph.is_patched(model)
 
 

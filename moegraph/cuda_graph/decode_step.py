@@ -11,35 +11,17 @@ attention over the row's cached positions, o projection, add+RMSNorm, MoE (or de
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
-from ..kernels import moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
-from ..moe.select import EXPERT_FUNCTIONS
 from .static_cache import StaticKVCache
-
-FUSED_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm,
-                            qk_norm_rope=qk_norm_rope.qk_norm_rope, router_topk=router_topk.router_topk,
-                            moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
-                            moe_combine=moe_combine.moe_combine)
-REFERENCE_OPS = SimpleNamespace(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
-                                qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, router_topk=router_topk.router_topk_ref,
-                                moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
-                                moe_combine=moe_combine.moe_combine_ref)
-
-
-def decode_ops(device_tensor: torch.Tensor, head_dim: int) -> SimpleNamespace:
-    """The fused kernels where Triton runs (CUDA), the references elsewhere."""
-    if triton_available(device_tensor) and head_dim & (head_dim - 1) == 0:
-        return FUSED_OPS
-    return REFERENCE_OPS
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   moe_backend: str, ops: SimpleNamespace) -> torch.Tensor:
-    """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32."""
+                   ops) -> torch.Tensor:
+    """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
+
+    ops: the OpTable (moegraph.ops) chosen for this model when the decoder was built."""
     inner = model.model
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
@@ -57,12 +39,12 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
         post = layer.post_attention_layernorm
         residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
         if hasattr(layer.mlp, "experts"):
-            mlp_out = decode_moe(layer.mlp, hidden, moe_backend, ops)
+            mlp_out = decode_moe(layer.mlp, hidden, ops)
         else:
             mlp_out = layer.mlp(hidden)
         norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
         residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
-    return model.lm_head(hidden).float()
+    return ops.linear(model.lm_head, hidden).float()
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
@@ -70,7 +52,8 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     rows = hidden.shape[0]
     head_dim = attn.head_dim
     key_cache, value_cache = key_cache[:rows], value_cache[:rows]
-    q = ops.qk_norm_rope(attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden), attn.q_norm.weight,
+    q = ops.qk_norm_rope(ops.linear(attn.q_proj, hidden), ops.linear(attn.k_proj, hidden),
+                         ops.linear(attn.v_proj, hidden), attn.q_norm.weight,
                          attn.k_norm.weight, cos, sin, positions, key_cache, value_cache,
                          attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
     # One query token per row: fold the query heads of each KV group into the query-length axis,
@@ -78,14 +61,12 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     q = q.reshape(rows, key_cache.shape[1], -1, head_dim)  # [b, Hkv, G, D]
     out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
                                                      scale=attn.scaling)
-    return attn.o_proj(out.reshape(rows, -1))  # [b, H]
+    return ops.linear(attn.o_proj, out.reshape(rows, -1))  # [b, H]
 
 
-def decode_moe(block: nn.Module, hidden: torch.Tensor, moe_backend: str, ops) -> torch.Tensor:
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
     """The sparse block for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
     gate = block.gate
     router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
-    if moe_backend == "torch":
-        return EXPERT_FUNCTIONS["torch"](hidden, top_k_index, top_k_weights, block.experts)
-    return EXPERT_FUNCTIONS[moe_backend](hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

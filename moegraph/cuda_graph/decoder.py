@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..moe.select import describe_moe_backend
+from ..ops import ops_for_model
 from ..options import PatchOptions
 from ..patches.registry import family_of
 from . import support
-from .decode_step import decode_forward, decode_ops
+from .decode_step import decode_forward
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for
 from .static_cache import SEQ_ALIGN, StaticKVCache, round_up
 
@@ -76,7 +76,7 @@ class GraphDecoder:
         self.stats = DecodeStats()
         self._warned: set[str] = set()
         self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
-        self._expert_dtype = _expert_dtype(model)
+        self.ops = None  # the OpTable of the decode step, resolved with the static cache
 
     # ----- lifecycle -------------------------------------------------------------------------
     def release(self) -> None:
@@ -88,11 +88,11 @@ class GraphDecoder:
         device = self.model.device
         if device.type != "cuda" or not self.options.cuda_graphs or self._capture_error is not None:
             return False
-        choice = describe_moe_backend(device, self._expert_dtype, self.options.moe_backend)
-        if not choice.capture_safe:
-            self._warn_once(f"moegraph: MoE backend {choice.name!r} is not capture-safe here ({choice.reason}); "
-                            "decoding eagerly without CUDA graphs")
-        return choice.capture_safe
+        ops = ops_for_model(self.model, self.options.moe_backend)
+        if not ops.capture_safe:
+            self._warn_once(f"moegraph: the decode step is not capture-safe here; decoding eagerly without CUDA "
+                            f"graphs.\n{ops.describe()}")
+        return ops.capture_safe
 
     def capture(self, batch_size: int | None = None, max_length: int = SEQ_ALIGN) -> None:
         """Allocate the static cache and capture the graphs now instead of at the first generate()."""
@@ -277,7 +277,7 @@ class GraphDecoder:
 
     def _forward(self, rows: int) -> torch.Tensor:
         return decode_forward(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
-                              self._moe_backend, self._ops)
+                              self.ops)
 
     # ----- static cache and graphs ------------------------------------------------------------
     def _ensure_capacity(self, rows: int, max_length: int, use_graphs: bool | None = None) -> None:
@@ -310,8 +310,7 @@ class GraphDecoder:
             kv_heads=config.num_key_value_heads, head_dim=head_dim,
             dtype=self.model.model.embed_tokens.weight.dtype, device=device)
         self.inputs = StaticInputs.allocate(rows, device)
-        self._ops = decode_ops(self.inputs.token_ids, head_dim)
-        self._moe_backend = describe_moe_backend(device, self._expert_dtype, self.options.moe_backend).name
+        self.ops = ops_for_model(self.model, self.options.moe_backend)
         self.graphs = BucketGraphs(step=self._forward)
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)
@@ -321,10 +320,3 @@ class GraphDecoder:
             self._warned.add(message)
             logger.warning(message)
 
-
-def _expert_dtype(model: nn.Module) -> torch.dtype:
-    for module in model.modules():
-        experts = getattr(module, "experts", None)
-        if experts is not None and hasattr(experts, "gate_up_proj"):
-            return experts.gate_up_proj.dtype
-    return model.dtype

@@ -16,7 +16,9 @@ def moe_experts_ref(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     experts: nn.Module,
+    ops=None,
 ) -> torch.Tensor:
+    """ops: unused (the reference needs no kernels); accepted so every backend has one signature."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in top_k_index.unique().tolist():
         token_idx, slot = (top_k_index == expert).nonzero(as_tuple=True)

@@ -1,8 +1,9 @@
 """Which MoE backend runs on a device, and why.
 
 The answer comes from probes that run the backend on the device (and, on CUDA, capture it in a
-graph), never from version tables alone. It is cached per (device, dtype).
-`MOEGRAPH_MOE_BACKEND=grouped_mm|triton|torch` overrides the automatic choice.
+graph), never from version tables alone. It is cached per (device, dtype, weight format).
+`MOEGRAPH_MOE_BACKEND=grouped_mm|triton|torch` overrides the automatic choice; it is read when a
+choice is made (moegraph.ops resolves its table once), never per call.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ BACKENDS = ("grouped_mm", "triton", "torch")
 AUTO_ORDER_CUDA = ("triton", "grouped_mm")
 ENV_VAR = "MOEGRAPH_MOE_BACKEND"
 
-# backend name -> experts function (hidden, top_k_index, top_k_weights, experts) -> out
+# (backend, weight format) -> experts function (hidden, top_k_index, top_k_weights, experts, ops=None) -> out
 EXPERT_FUNCTIONS = {
-    "grouped_mm": moe_experts_grouped_mm,
-    "triton": moe_experts_triton,
-    "torch": moe_experts_ref,
+    ("grouped_mm", "dense"): moe_experts_grouped_mm,
+    ("triton", "dense"): moe_experts_triton,
+    ("torch", "dense"): moe_experts_ref,
 }
+
+
+def expert_function(backend: str, weight_format: str = "dense"):
+    return EXPERT_FUNCTIONS[(backend, weight_format)]
 
 
 @dataclass(frozen=True)
@@ -64,25 +69,33 @@ def _probe_inputs(device, dtype):
     return hidden, index, weights
 
 
-def _probe_eager(name: str, device, dtype) -> str | None:
+def _probe_experts(device, dtype, weight_format: str) -> nn.Module:
+    return PROBE_EXPERTS[weight_format](_ProbeExperts(device, dtype))
+
+
+# weight format -> builds probe experts of that format from dense ones
+PROBE_EXPERTS = {"dense": lambda experts: experts}
+
+
+def _probe_eager(name: str, device, dtype, weight_format: str = "dense") -> str | None:
     """None when backend `name` computes the right answer eagerly, else what went wrong."""
-    experts = _ProbeExperts(device, dtype)
+    experts = _probe_experts(device, dtype, weight_format)
     args = _probe_inputs(device, dtype)
     try:
-        got = EXPERT_FUNCTIONS[name](*args, experts)
+        got = expert_function(name, weight_format)(*args, experts)
     except Exception as exc:  # the probe exists to turn any failure into a fallback
         return f"{name} failed in {dtype} on {device}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-    want = moe_experts_ref(*args, experts)
+    want = expert_function("torch", weight_format)(*args, experts)
     if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=5e-2):
         return f"{name} gave wrong results in {dtype} on {device}"
     return None
 
 
-def _probe_capture(name: str, device, dtype) -> str | None:
+def _probe_capture(name: str, device, dtype, weight_format: str = "dense") -> str | None:
     """None when backend `name` captures in a CUDA graph and replays like eager, else what went wrong."""
-    experts = _ProbeExperts(device, dtype)
+    experts = _probe_experts(device, dtype, weight_format)
     static_args = _probe_inputs(device, dtype)
-    fn = EXPERT_FUNCTIONS[name]
+    fn = expert_function(name, weight_format)
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -102,7 +115,7 @@ def _probe_capture(name: str, device, dtype) -> str | None:
     return None
 
 
-def _normalize_device(device) -> torch.device:
+def normalize_device(device) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -112,20 +125,23 @@ def _normalize_device(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=None)
-def _choose(device: torch.device, dtype: torch.dtype, requested: str) -> BackendChoice:
+def _choose(device: torch.device, dtype: torch.dtype, requested: str, weight_format: str) -> BackendChoice:
+    if weight_format not in {fmt for _, fmt in EXPERT_FUNCTIONS}:
+        raise BackendUnavailableError(f"no MoE backend handles experts in the {weight_format!r} format")
     if requested == "torch":
         return BackendChoice("torch", False, "requested: reference loop over experts (syncs with the host)")
     problems = []
     for name in _candidates(device, requested):
-        problem = _usable(name, device, dtype)
+        problem = _usable(name, device, dtype, weight_format)
         if problem is None:
             if device.type != "cuda":
                 return BackendChoice(name, False, f"{name} runs eagerly on {device.type}; no CUDA graphs there")
-            capture_problem = _probe_capture(name, device, dtype)
+            capture_problem = _probe_capture(name, device, dtype, weight_format)
             if capture_problem is not None:
                 return BackendChoice(name, False, f"{capture_problem}; decoding without graphs")
             cc = torch.cuda.get_device_capability(device)
-            return BackendChoice(name, True, f"{name} runs and captures in {dtype} on sm_{cc[0]}{cc[1]}")
+            return BackendChoice(name, True, f"{name} runs and captures with {weight_format} experts in {dtype} "
+                                             f"on sm_{cc[0]}{cc[1]}")
         if requested != "auto":
             raise BackendUnavailableError(f"MoE backend {name!r} was requested but {problem}. "
                                           "Use moe_backend='auto' to let moegraph choose.")
@@ -139,12 +155,14 @@ def _candidates(device: torch.device, requested: str) -> tuple[str, ...]:
     return AUTO_ORDER_CUDA if device.type == "cuda" else ("grouped_mm",)
 
 
-def _usable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+def _usable(name: str, device: torch.device, dtype: torch.dtype, weight_format: str) -> str | None:
+    if (name, weight_format) not in EXPERT_FUNCTIONS:
+        return f"{name} has no implementation for {weight_format} experts"
     if name == "grouped_mm" and not grouped_mm_available():
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
     if name == "triton" and not triton_available(torch.empty(0, device=device)):
         return f"moegraph's Triton kernels cannot run on {device.type} here (Triton missing, or no GPU)"
-    return _probe_eager(name, device, dtype)
+    return _probe_eager(name, device, dtype, weight_format)
 
 
 def validate_backend_name(name: str) -> str:
@@ -153,8 +171,9 @@ def validate_backend_name(name: str) -> str:
     return name
 
 
-def describe_moe_backend(device=None, dtype: torch.dtype = torch.bfloat16, requested: str = "auto") -> BackendChoice:
-    """The backend that `requested` resolves to on `device` for weights of `dtype`, with the reason.
+def describe_moe_backend(device=None, dtype: torch.dtype = torch.bfloat16, requested: str = "auto",
+                         weight_format: str = "dense") -> BackendChoice:
+    """The backend that `requested` resolves to on `device` for experts of `dtype` and format, with the reason.
 
     The environment variable MOEGRAPH_MOE_BACKEND, when set, wins over `requested`.
     """
@@ -164,7 +183,7 @@ def describe_moe_backend(device=None, dtype: torch.dtype = torch.bfloat16, reque
         if requested not in BACKENDS + ("auto",):
             raise InvalidArgumentError(f"{ENV_VAR}={env!r} is not a MoE backend; set it to one of {BACKENDS} or unset it")
     validate_backend_name(requested)
-    choice = _choose(_normalize_device(device), dtype, requested)
+    choice = _choose(normalize_device(device), dtype, requested, weight_format)
     if env:
         choice = BackendChoice(choice.name, choice.capture_safe, f"{ENV_VAR}={env}: {choice.reason}")
     return choice

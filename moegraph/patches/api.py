@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnsupportedModelError, UnsupportedVersionError
 from ..moe.block import sparse_moe_forward
+from ..ops import ops_for_experts
 from ..options import PatchOptions
 from .patcher import PatchSet
 from .registry import FAMILIES, family_of
@@ -74,7 +75,7 @@ def inside_moegraph():
 def _moe_forward_wrapper(options: PatchOptions):
     def wrapper(wrapped, instance, args, kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        return sparse_moe_forward(instance, hidden_states, options.moe_backend)
+        return sparse_moe_forward(instance, hidden_states, ops_for_experts(instance.experts, options.moe_backend))
 
     return wrapper
 
@@ -125,11 +126,9 @@ def _patch_model(model: nn.Module, options: PatchOptions) -> nn.Module:
             logger.warning("moegraph: model already patched with %s; keeping those options", state.options)
         return model
     if options.moe_backend != "auto":  # an explicit backend must run here: say so now, not at the first forward
-        from ..moe.select import describe_moe_backend
-
         experts = next((m.experts for m in model.modules() if isinstance(m, family.sparse_block())), None)
         if experts is not None:
-            describe_moe_backend(experts.gate_up_proj.device, experts.gate_up_proj.dtype, options.moe_backend)
+            ops_for_experts(experts, options.moe_backend)
     patches = PatchSet()
     block_class = family.sparse_block()
     moe_wrapper = _moe_forward_wrapper(options)

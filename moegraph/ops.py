@@ -1,0 +1,176 @@
+"""The decode step's ops: one typed table, chosen once per (device, dtype, weight formats, MoE backend).
+
+Every op that the graph decoder's step and the patched MoE block run comes from an `OpTable`.
+`resolve_ops()` builds it once per key, from the backend probes (moe/select.py) and the formats
+of the weights, and records why each op was chosen (`python -m moegraph info` prints it):
+- norms, q/k-norm + RoPE + cache write, router top-k, expert grouping: moegraph's Triton kernels
+  on CUDA, their plain-torch references elsewhere (the kernel tests run the kernels on the CPU
+  through Triton's interpreter; `kernels="triton"` forces them for such a test);
+- experts: the MoE backend the probe accepted for the experts' weight format;
+- projections: a plain linear for dense weights, bitsandbytes' own forward for `Linear4bit`.
+Nothing re-decides per layer or per call: callers hold the table, or look it up by its key.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import InvalidArgumentError
+from .kernels import moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
+from .moe.select import expert_function, describe_moe_backend, normalize_device
+
+DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
+NF4 = "nf4"  # experts in moegraph's NF4 format (moegraph/quant)
+LINEAR4BIT = "linear4bit"  # projections as bitsandbytes Linear4bit
+KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class WeightFormats:
+    experts: str = DENSE
+    projections: str = DENSE
+
+
+@dataclass(frozen=True)
+class OpTable:
+    device: torch.device
+    dtype: torch.dtype  # compute dtype of the experts
+    formats: WeightFormats
+    moe_backend: str
+    capture_safe: bool  # every op may run inside a captured CUDA graph
+    rms_norm: Callable
+    add_rms_norm: Callable
+    qk_norm_rope: Callable
+    router_topk: Callable
+    moe_align: Callable
+    silu_mul: Callable
+    moe_combine: Callable
+    experts: Callable  # (hidden [T, H], top_k_index [T, K], top_k_weights [T, K], experts, ops) -> [T, H]
+    linear: Callable  # (module, x) -> module(x) for a projection
+    reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
+
+    def describe(self) -> str:
+        head = (f"decode ops for {self.dtype} on {self.device} (experts {self.formats.experts}, projections "
+                f"{self.formats.projections}): {'capture-safe' if self.capture_safe else 'eager only'}")
+        return "\n".join([head] + [f"  {op:<13} {choice:<11} {why}" for op, choice, why in self.reasons])
+
+
+_FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm, qk_norm_rope=qk_norm_rope.qk_norm_rope,
+              router_topk=router_topk.router_topk, moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
+              moe_combine=moe_combine.moe_combine)
+_REFERENCE = dict(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
+                  qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, router_topk=router_topk.router_topk_ref,
+                  moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
+                  moe_combine=moe_combine.moe_combine_ref)
+
+
+def _dense_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, module.weight, module.bias)
+
+
+def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _choose_kernels(device: torch.device, head_dim: int, kernels: str) -> tuple[dict, str, str]:
+    if kernels not in KERNEL_CHOICES:
+        raise InvalidArgumentError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}")
+    probe = torch.empty(0, device=device)
+    pow2 = head_dim & (head_dim - 1) == 0
+    if kernels == "torch":
+        return _REFERENCE, "torch", "requested: plain-torch references"
+    if kernels == "triton":
+        if not triton_available(probe):
+            raise InvalidArgumentError(f"kernels='triton' needs Triton on {device.type} (or TRITON_INTERPRET=1)")
+        return _FUSED, "triton", "requested: moegraph's Triton kernels"
+    if device.type != "cuda":
+        return _REFERENCE, "torch", f"plain-torch references on {device.type} (Triton's kernels are for CUDA)"
+    if not triton_available(probe):
+        return _REFERENCE, "torch", "Triton is not importable: plain-torch references"
+    if not pow2:
+        return _REFERENCE, "torch", f"head_dim {head_dim} is not a power of two: plain-torch references"
+    return _FUSED, "triton", "moegraph's fused Triton kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightFormats(), moe_backend: str = "auto",
+                head_dim: int = 128, kernels: str = "auto") -> OpTable:
+    """The op table for one key; cached, so every caller with the same key shares one decision."""
+    device = normalize_device(device)
+    small_ops, kernel_name, kernel_why = _choose_kernels(device, head_dim, kernels)
+    backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
+    if formats.projections == LINEAR4BIT:
+        linear, linear_name, linear_why = _module_linear, "bnb", "bitsandbytes Linear4bit forward"
+    else:
+        linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
+    reasons = (
+        ("norms", kernel_name, kernel_why),
+        ("qk_norm_rope", kernel_name, kernel_why),
+        ("router", kernel_name, kernel_why),
+        ("experts", backend.name, backend.reason),
+        ("projections", linear_name, linear_why),
+    )
+    return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
+                   capture_safe=backend.capture_safe and device.type == "cuda",
+                   experts=expert_function(backend.name, formats.experts), linear=linear, reasons=reasons,
+                   **small_ops)
+
+
+def forget_choices() -> None:
+    """Drop every cached table and backend probe (after MOEGRAPH_MOE_BACKEND changed, or in tests)."""
+    from .moe import select
+
+    resolve_ops.cache_clear()
+    select._choose.cache_clear()
+
+
+def experts_format(experts: nn.Module) -> str:
+    return getattr(experts, "weight_format", DENSE)
+
+
+def experts_dtype(experts: nn.Module) -> torch.dtype:
+    dtype = getattr(experts, "compute_dtype", None)
+    return dtype if dtype is not None else experts.gate_up_proj.dtype
+
+
+def experts_device(experts: nn.Module) -> torch.device:
+    tensor = next(experts.parameters(), None)
+    return (tensor if tensor is not None else next(experts.buffers())).device
+
+
+def _projection_format(model: nn.Module) -> str:
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":
+            return LINEAR4BIT
+    return DENSE
+
+
+def _first_experts(model: nn.Module) -> nn.Module | None:
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if experts is not None and hasattr(module, "gate"):
+            return experts
+    return None
+
+
+def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto") -> OpTable:
+    """The table for a model's decode step, from its device, expert dtype and weight formats."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    experts = _first_experts(model)
+    if experts is None:
+        formats = WeightFormats(DENSE, _projection_format(model))
+        return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels)
+    formats = WeightFormats(experts_format(experts), _projection_format(model))
+    return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels)
+
+
+def ops_for_experts(experts: nn.Module, moe_backend: str = "auto") -> OpTable:
+    """The table for one MoE block's experts (the patched block forward of prefill)."""
+    formats = WeightFormats(experts_format(experts), DENSE)
+    return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend)
