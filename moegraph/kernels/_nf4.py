@@ -1,0 +1,245 @@
+"""NF4 weights in bitsandbytes' layout, shared by the NF4 kernels (nf4_gemv.py, nf4_moe.py).
+
+A stack of E matrices W_e [N, K] (E = 1 for one Linear4bit weight), each flattened to N*K values and cut
+into 64-value blocks (block b = elements [64b, 64b + 64) of the flattened expert):
+- `packed` uint8, N*K/2 bytes per expert: byte j holds element 2j in its HIGH nibble, 2j+1 in its LOW one;
+- `code` float32 [16]: the value of each 4-bit index (bitsandbytes' NF4 table);
+- `absmax` float32 [E, nblocks]: W[e, i] = code[q_i] * absmax[e, i // 64], then rounded to the compute
+  dtype (round-to-nearest-even, as a dequantize-then-matmul in that dtype rounds);
+- or nested ("double quantization"): `absmax` uint8 [E, nblocks] with `nested_code` float32 [256],
+  `nested_absmax` float32 [E, ceil(nblocks / 256)], `offset` float32 [E]:
+  absmax[e, b] = nested_code[absmax_q[e, b]] * nested_absmax[e, b // 256] + offset[e] (fp32, mul then add).
+
+The jit helpers dequantize a [BLOCK_N, BLOCK_K] tile in registers and return it as its even and odd
+columns, two [BLOCK_N, BLOCK_K // 2] tiles: the high and low nibbles of the same bytes. Callers multiply
+them by the even and odd columns of x (a tiny tile), so no interleave (join + reshape) of the weight
+tile is needed and its registers stay in the layout they were loaded in.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ._triton import HAVE_TRITON, tl, triton
+
+if HAVE_TRITON:
+    from triton.language.extra import libdevice
+else:  # pragma: no cover - Triton missing: only the _ref functions run
+    libdevice = None
+
+QUANT_BLOCK = 64  # bitsandbytes' blocksize for 4-bit weights (the only one the kernels take)
+NESTED_BLOCK = 256  # bitsandbytes' blocksize for the nested absmax (compress_statistics=True)
+_NESTED_BLOCK = tl.constexpr(NESTED_BLOCK)
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# bitsandbytes.functional.get_4bit_type("nf4") as float32 values (the tests check it against bitsandbytes)
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+            1.0)
+
+
+def nf4_code(device) -> torch.Tensor:
+    """The NF4 table as the kernels take it: float32 [16] on `device`."""
+    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+
+
+class NF4Tensors(NamedTuple):
+    """One NF4 weight (shape (N, K)) or a stack of E of them (shape (E, N, K)); layout in the module docstring."""
+
+    packed: torch.Tensor  # uint8, E*N*K/2 bytes: [E, N*K//2] for a stack, [N*K//2, 1] as Linear4bit holds it
+    absmax: torch.Tensor  # float32 [E, nblocks] (or [nblocks]); uint8 when nested
+    shape: Tuple[int, ...]  # (E, N, K) or (N, K)
+    nested_code: Optional[torch.Tensor] = None  # float32 [256]
+    nested_absmax: Optional[torch.Tensor] = None  # float32 [E, ceil(nblocks / 256)]
+    offset: Optional[torch.Tensor] = None  # float32 [E] (a 0-d tensor for one Linear4bit)
+
+    @property
+    def nested(self) -> bool:
+        return self.nested_code is not None
+
+    @classmethod
+    def from_bnb(cls, data: torch.Tensor, quant_state) -> "NF4Tensors":
+        """From a bitsandbytes Params4bit: `cls.from_bnb(linear.weight.data, linear.weight.quant_state)`."""
+        if quant_state.quant_type != "nf4" or quant_state.blocksize != QUANT_BLOCK:
+            raise InvalidArgumentError(f"NF4Tensors.from_bnb: need quant_type 'nf4' with blocksize {QUANT_BLOCK}, got "
+                                       f"{quant_state.quant_type!r} / {quant_state.blocksize}")
+        shape = tuple(quant_state.shape)
+        if not quant_state.nested:
+            return cls(data, quant_state.absmax, shape)
+        state2 = quant_state.state2
+        if state2.blocksize != NESTED_BLOCK:
+            raise InvalidArgumentError(f"NF4Tensors.from_bnb: nested blocksize {state2.blocksize}, the kernels take "
+                                       f"{NESTED_BLOCK}")
+        return cls(data, quant_state.absmax, shape, state2.code, state2.absmax, quant_state.offset)
+
+
+class NF4View(NamedTuple):
+    """NF4Tensors checked and flattened per expert, what the launchers pass to the kernels."""
+
+    packed: torch.Tensor  # uint8 [E, N*K//2]
+    absmax: torch.Tensor  # float32 or uint8 [E, nblocks]
+    nested_code: torch.Tensor  # float32 [256] (absmax itself when not nested: never read)
+    nested_absmax: torch.Tensor  # float32 [E, nested_blocks] (idem)
+    offset: torch.Tensor  # float32 [E] (idem)
+    experts: int
+    rows: int  # N
+    cols: int  # K
+    nested: bool
+
+    @property
+    def aligned(self) -> bool:
+        """Every row holds whole 64-blocks: one absmax per 64 columns of a row."""
+        return self.cols % QUANT_BLOCK == 0
+
+
+def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) -> NF4View:
+    """Validate one NF4 weight (stack) against its layout; raise InvalidArgumentError naming what was found."""
+    shape = tuple(int(s) for s in t.shape)
+    if len(shape) not in (2, 3):
+        raise InvalidArgumentError(f"{op}: NF4 shape must be (N, K) or (E, N, K), got {shape}")
+    experts, rows, cols = shape if len(shape) == 3 else (1, *shape)
+    if cols % 2:
+        raise InvalidArgumentError(f"{op}: K = {cols} is odd; two 4-bit values share a byte, so K must be even")
+    per_expert = rows * cols
+    nblocks = -(-per_expert // QUANT_BLOCK)
+    for name, tensor, dtype, numel in (("packed", t.packed, torch.uint8, experts * per_expert // 2),
+                                       ("absmax", t.absmax, torch.uint8 if t.nested else torch.float32,
+                                        experts * nblocks),
+                                       ("code", code, torch.float32, 16)):
+        if tensor.dtype != dtype or tensor.numel() != numel or tensor.device != device:
+            raise InvalidArgumentError(f"{op}: {name} must be {dtype} with {numel} elements on {device} for NF4 shape "
+                                       f"{shape}; got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError(f"{op}: {name} must be contiguous (call .contiguous() once, at load time)")
+    absmax = t.absmax.view(experts, nblocks)
+    if not t.nested:
+        return NF4View(t.packed.view(experts, -1), absmax, absmax, absmax, absmax, experts, rows, cols, False)
+    nested_blocks = -(-nblocks // NESTED_BLOCK)
+    for name, tensor, numel in (("nested_code", t.nested_code, 256), ("nested_absmax", t.nested_absmax,
+                                                                         experts * nested_blocks),
+                                ("offset", t.offset, experts)):
+        if tensor is None or tensor.dtype != torch.float32 or tensor.numel() != numel or tensor.device != device:
+            found = None if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            raise InvalidArgumentError(f"{op}: nested NF4 needs {name} float32 with {numel} elements on {device}; "
+                                       f"got {found}")
+    return NF4View(t.packed.view(experts, -1), absmax, t.nested_code.contiguous(),
+                   t.nested_absmax.reshape(experts, nested_blocks).contiguous(), t.offset.reshape(experts).contiguous(),
+                   experts, rows, cols, True)
+
+
+def check_compute_dtype(op: str, x: torch.Tensor):
+    if x.dtype not in _COMPUTE_DTYPES:
+        raise InvalidArgumentError(f"{op}: activations must be float32, float16 or bfloat16, got {x.dtype}")
+
+
+@triton.jit
+def _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, block, mask, NESTED: tl.constexpr,
+                EXACT_MUL: tl.constexpr):
+    """fp32 absmax of the 64-blocks `block` (any shape) of one expert, whose pointers are given; 0 where masked."""
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(nested_absmax_ptr + block // _NESTED_BLOCK, mask=mask, other=0.0)
+        value = tl.load(nested_code_ptr + q)
+        if EXACT_MUL:
+            value = libdevice.mul_rn(value, scale)  # a rounded mul that ptxas may not contract with the add
+        else:
+            value = value * scale
+        absmax = tl.where(mask, value + tl.load(offset_ptr), 0.0)
+    else:
+        absmax = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return absmax
+
+
+@triton.jit
+def _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, rows, row_mask, k0,
+                 K, row_bytes, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+    """(W[rows, k0 + 2j], W[rows, k0 + 2j + 1]) for j < BLOCK_K // 2: two [BLOCK_N, BLOCK_K // 2] tiles in DTYPE."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    if ALIGNED:
+        # K % 64 == 0: the tile is [BLOCK_N, G, 32] bytes, one absmax per (row, g), broadcast over its 32 bytes
+        G: tl.constexpr = BLOCK_K // 64
+        g = tl.arange(0, G)
+        byte = k0 // 2 + g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
+        mask = row_mask[:, None, None] & (byte < row_bytes)[None, :, :]
+        packed = tl.load(w_ptr + rows[:, None, None] * row_bytes + byte[None, :, :], mask=mask, other=0)
+        group = k0 // 64 + g
+        block = rows[:, None] * (K // 64) + group[None, :]  # [BLOCK_N, G]
+        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, block,
+                             row_mask[:, None] & (group < K // 64)[None, :], NESTED, EXACT_MUL)[:, :, None]
+    else:
+        # a 64-block may span rows: its index per byte (both nibbles of a byte share a block: 64 is even)
+        byte = k0 // 2 + tl.arange(0, HALF)
+        mask = row_mask[:, None] & (byte < row_bytes)[None, :]
+        packed = tl.load(w_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0)
+        block = (rows[:, None] * K + 2 * byte[None, :]) // 64
+        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, block, mask, NESTED,
+                             EXACT_MUL)
+    # 16-entry gather: the 64-byte table stays in one L1 line, one load per value; a select tree is ~15 ops
+    even = (tl.load(code_ptr + (packed >> 4).to(tl.int32)) * absmax).to(DTYPE)
+    odd = (tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * absmax).to(DTYPE)
+    return tl.reshape(even, [BLOCK_N, HALF]), tl.reshape(odd, [BLOCK_N, HALF])
+
+
+@triton.jit
+def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
+                rows, row_mask, k_start, k_end, K, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_M] = W[rows, k_start:k_end] @ x[x_rows, k_start:k_end]^T, x [*, K] row-major.
+
+    USE_DOT: tensor cores with the weight tile as the left operand (the wide side; x pads to BLOCK_M >= 16).
+    Otherwise BLOCK_M == 1: a multiply-add per weight into a [BLOCK_N, BLOCK_K // 2] accumulator, summed
+    once after the loop.
+    """
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = tl.arange(0, HALF)
+    if USE_DOT:
+        tl.static_assert(BLOCK_M >= 16, "tl.dot needs BLOCK_M >= 16")
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        tl.static_assert(BLOCK_M == 1, "the multiply-add path takes one row of x")
+        acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        even, odd = _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, rows,
+                                 row_mask, k0, K, row_bytes, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL)
+        k_even = k0 + 2 * j
+        k_mask = k_even < K
+        if USE_DOT:
+            x_offs = x_rows[None, :] * K + k_even[:, None]  # [HALF, BLOCK_M]: x^T, even columns
+            x_tile_mask = x_mask[None, :] & k_mask[:, None]
+            x_even = tl.load(x_ptr + x_offs, mask=x_tile_mask, other=0.0)
+            x_odd = tl.load(x_ptr + x_offs + 1, mask=x_tile_mask, other=0.0)
+            if DOT_FP32:
+                # fp32 operands: fp32 data (ieee, no tf32 rounding), or the CPU interpreter (bf16 dots are wrong there)
+                acc = tl.dot(even.to(tl.float32), x_even.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(odd.to(tl.float32), x_odd.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(even, x_even.to(DTYPE), acc)
+                acc = tl.dot(odd, x_odd.to(DTYPE), acc)
+        else:
+            x_offs = x_rows[:, None] * K + k_even[None, :]  # [1, HALF]
+            x_tile_mask = x_mask[:, None] & k_mask[None, :]
+            x_even = tl.load(x_ptr + x_offs, mask=x_tile_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + x_offs + 1, mask=x_tile_mask, other=0.0).to(tl.float32)
+            acc += even.to(tl.float32) * x_even  # two statements: two fma, not mul + fma + add
+            acc += odd.to(tl.float32) * x_odd
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)[:, None]
+    return acc
+
+
+def dequantize_nf4_ref(t: NF4Tensors, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W in `dtype`, shaped t.shape: code[q] * absmax in float32, rounded once (bitsandbytes' dequantize_4bit)."""
+    shape = tuple(int(s) for s in t.shape)
+    experts, rows, cols = shape if len(shape) == 3 else (1, *shape)
+    per_expert = rows * cols
+    packed = t.packed.reshape(experts, per_expert // 2)
+    q = torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(experts, per_expert).long()  # high nibble first
+    absmax = t.absmax.reshape(experts, -1)
+    if t.nested:
+        scale = t.nested_absmax.reshape(experts, -1).repeat_interleave(NESTED_BLOCK, dim=1)[:, :absmax.shape[1]]
+        absmax = t.nested_code.float()[absmax.long()] * scale + t.offset.reshape(experts, 1).float()
+    absmax = absmax.float().repeat_interleave(QUANT_BLOCK, dim=1)[:, :per_expert]
+    return (code.float()[q] * absmax).to(dtype).reshape(shape)

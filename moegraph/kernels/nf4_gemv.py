@@ -1,0 +1,140 @@
+"""NF4 linear layer for decode rows: y = x @ W^T (+ bias) with W [N, K] in bitsandbytes' NF4 layout.
+
+nf4_linear(x [M, K], packed uint8 [N*K/2] (any shape, e.g. Linear4bit's [N*K/2, 1]), absmax float32
+[N*K/64] (or uint8 with nested_code / nested_absmax / offset), code float32 [16], N, K, bias [N] or None)
+-> [M, N] in x.dtype. Meant for M = 1..16 (attention projections, one decode step).
+W is dequantized in registers (0.5 byte per weight plus its absmax, read once per program), rounded to
+x.dtype like a dequantize-then-matmul in that dtype, multiplied in float32 with float32 accumulation;
+the bias is added in float32 before the one rounding of the output. Layout and helpers: _nf4.py.
+Small N gives few programs, so K is split over SPLIT_K programs (SPLIT_K chosen from the shapes only) whose
+float32 partials a second launch sums in a fixed order: no atomics, so a replayed CUDA graph is
+bit-identical to the eager call.
+Capture-safe: grid and partial buffer sized from the shapes, no host sync.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
+                   nf4_code)
+from ._triton import tl, triton
+
+__all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
+           "nf4_linear_ref"]
+
+BLOCK_N = 32  # output rows per program: N = 512 -> 16 programs before split-K, 4096 -> 128
+BLOCK_K = 256  # columns per step: a [32, 128]-byte tile, two 16-byte loads per thread at 4 warps (unmeasured)
+DOT_MIN_M = 2  # tensor cores from 2 rows; at M = 1 the multiply-add path avoids padding x to 16 rows (unmeasured)
+DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
+TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per H200 SM keep enough loads in flight (unmeasured)
+NUM_WARPS = 4  # one warpgroup per program
+REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
+
+
+@dataclass(frozen=True)
+class NF4LinearConfig:
+    """Tile choices of one call; None fields are derived from the shapes (the benchmark sweeps them)."""
+
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    use_dot: Optional[bool] = None  # None: M >= DOT_MIN_M
+    split_k: Optional[int] = None  # None: enough programs for TARGET_PROGRAMS
+    num_warps: int = NUM_WARPS
+    num_stages: Optional[int] = None  # None: Triton's default
+
+
+@triton.jit
+def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, bias_ptr,
+                       out_ptr, M, N, K, row_bytes, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
+                       NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
+    row_mask = rows < N
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
+                      rows, row_mask, k_start, k_end, K, row_bytes, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
+                      USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
+    offs = m[None, :] * N + rows[:, None]
+    mask = row_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_linear_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(partial_ptr + s * MN + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _choose_split_k(programs: int, k_steps: int) -> int:
+    split = 1
+    while programs * split < TARGET_PROGRAMS and k_steps >= 2 * split:
+        split *= 2
+    return split
+
+
+def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, N: int, K: int,
+               bias: Optional[torch.Tensor] = None, *, nested_code: Optional[torch.Tensor] = None,
+               nested_absmax: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
+               config: Optional[NF4LinearConfig] = None) -> torch.Tensor:
+    op = "nf4_linear"
+    check_compute_dtype(op, x)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise InvalidArgumentError(f"{op}: x must be [M, K = {K}], got {tuple(x.shape)}")
+    w = check_nf4(op, NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code, x.device)
+    if bias is not None and (bias.numel() != N or bias.device != x.device or not bias.is_floating_point()):
+        raise InvalidArgumentError(f"{op}: bias must be a float tensor of {N} elements on {x.device}, got "
+                                   f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+    cfg = config or NF4LinearConfig()
+    if cfg.block_k % 64 or cfg.block_n < 16:
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
+    rows_m = x.shape[0]
+    use_dot = cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
+    block_m = DOT_BLOCK_M if use_dot else 1
+    grid_n, grid_m = triton.cdiv(N, cfg.block_n), triton.cdiv(rows_m, block_m)
+    k_steps = triton.cdiv(K, cfg.block_k)
+    steps_per_split = triton.cdiv(k_steps, cfg.split_k or _choose_split_k(grid_n * grid_m, k_steps))
+    split_k = triton.cdiv(k_steps, steps_per_split)  # no empty split
+    x = x.contiguous()
+    out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split_k, rows_m, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
+    launch = {"num_warps": cfg.num_warps}
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    _nf4_linear_kernel[(grid_n, grid_m, split_k)](
+        x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K, K // 2,
+        steps_per_split * cfg.block_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
+        EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, **launch)
+    if split_k > 1:
+        _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
+            partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+    return out
+
+
+def nf4_linear_ref(x, packed, absmax, code, N, K, bias=None, *, nested_code=None, nested_absmax=None, offset=None,
+                   config=None):
+    """Dequantize to x.dtype in torch, multiply in float32, add the bias in float32, round once."""
+    weight = dequantize_nf4_ref(NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code, x.dtype)
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

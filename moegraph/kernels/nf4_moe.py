@@ -1,0 +1,189 @@
+"""Decode-time MoE experts with NF4 weights: [gate_up GEMM + SwiGLU], [down GEMM], then moe_combine.
+
+fused_moe_experts_nf4(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up NF4Tensors (E, 2I, H),
+down NF4Tensors (E, H, I), code float32 [16], combine) -> [T, H] in hidden.dtype (the compute dtype).
+The NF4 form of fused_moe.py: the same pair grouping (align_blocks, blocks of BLOCK_M slots of one expert)
+and the same roundings (gate and up rounded to the compute dtype, silu rounded, times up, rounded; the
+down projection rounded; float32 accumulation everywhere), with each weight tile dequantized in registers
+(0.5 byte per weight plus one absmax per 64, read once per expert tile; layout and helpers in _nf4.py).
+Two paths, chosen from T alone (so one per captured graph):
+- dot (T >= DOT_MIN_TOKENS): one program per (expert block, column tile), tensor cores on
+  [weight tile] @ [x of the block's 16 slots]^T; idle blocks exit at once (grid sized like fused_moe.py);
+- multiply-add (small T): one program per (token, expert) pair and column tile, nothing padded to 16
+  rows; an expert routed twice is read twice, the second time mostly from L2.
+Capture-safe: grids and buffers sized from T, K, E only, no host sync, no atomics.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
+                   nf4_code)
+from ._triton import tl, triton
+from .fused_moe import BLOCK_M, align_blocks
+
+__all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
+           "fused_moe_experts_nf4_ref", "nf4_code"]
+
+GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) rows in 24 tiles: 192 programs at batch 1, as in fused_moe.py
+DOWN_BLOCK_N = 64  # 2048 output rows in 32 tiles: 256 programs at batch 1
+BLOCK_K = 256  # 128 bytes of each weight row per step; 768 = 3 steps (unmeasured)
+DOT_MIN_TOKENS = 2  # batch 1 has one pair per expert: 15 of 16 dot rows would be padding (unmeasured)
+NUM_WARPS = 4  # one warpgroup per program
+
+
+@dataclass(frozen=True)
+class NF4MoEConfig:
+    """Tile choices of one call; use_dot None means T >= DOT_MIN_TOKENS (the benchmark sweeps these)."""
+
+    gate_up_block_n: int = GATE_UP_BLOCK_N
+    down_block_n: int = DOWN_BLOCK_N
+    block_k: int = BLOCK_K
+    use_dot: Optional[bool] = None
+    num_warps: int = NUM_WARPS
+    num_stages: Optional[int] = None  # None: Triton's default
+
+
+@triton.jit
+def _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """(expert, slots [BLOCK_M], tokens [BLOCK_M], valid [BLOCK_M]) of this program; expert < 0: idle."""
+    if USE_DOT:
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block)
+        slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tokens = tl.load(slot_token_ptr + slots)  # -1: padding slot
+    else:
+        pair = tl.program_id(0) + tl.arange(0, 1)  # [1]
+        expert = tl.load(expert_ptr + tl.program_id(0))
+        slots = tl.load(position_ptr + pair)
+        tokens = pair // TOP_K
+    return expert, slots, tokens, tokens >= 0
+
+
+@triton.jit
+def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, act_ptr, w_ptr,
+                             absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter,
+                             row_bytes, stride_we, blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
+                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
+                                                BLOCK_M, USE_DOT)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)
+    w_ptr += e * stride_we
+    absmax_ptr += e * blocks_per_expert
+    nested_absmax_ptr += e * nested_per_expert
+    offset_ptr += e
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < inter
+    dtype = act_ptr.dtype.element_ty
+    gate = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                       code_ptr, n, n_mask, 0, hidden, hidden, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
+    up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                     code_ptr, inter + n, n_mask, 0, hidden, hidden, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
+                     USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL)
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + slots[None, :] * inter + n[:, None], act.to(dtype), mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, out_ptr, w_ptr, absmax_ptr,
+                     nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter, row_bytes, stride_we,
+                     blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                     ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
+                                                BLOCK_M, USE_DOT)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)
+    w_ptr += e * stride_we
+    absmax_ptr += e * blocks_per_expert
+    nested_absmax_ptr += e * nested_per_expert
+    offset_ptr += e
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    y = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                    code_ptr, n, n_mask, 0, inter, inter, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                    DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
+    tl.store(out_ptr + slots[None, :] * hidden + n[:, None], y.to(dtype), mask=valid[None, :] & n_mask[:, None])
+
+
+def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
+    slot_token, block_expert, position, experts = routing
+    launch = {"num_warps": cfg.num_warps}
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    kernel[grid](
+        inputs, slot_token, block_expert, position, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
+        w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
+        TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
+        EXACT_MUL=out.is_cuda and w.nested, **launch)
+
+
+def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          gate_up: NF4Tensors, down: NF4Tensors, code: torch.Tensor, combine,
+                          config: Optional[NF4MoEConfig] = None) -> torch.Tensor:
+    op = "fused_moe_experts_nf4"
+    check_compute_dtype(op, hidden)
+    gu = check_nf4(op + " (gate_up)", gate_up, code, hidden.device)
+    dn = check_nf4(op + " (down)", down, code, hidden.device)
+    num_experts, inter, hidden_dim = gu.experts, gu.rows // 2, gu.cols
+    if (hidden.dim() != 2 or hidden.shape[1] != hidden_dim or gu.rows % 2
+            or (dn.experts, dn.rows, dn.cols) != (num_experts, hidden_dim, inter)):
+        raise InvalidArgumentError(f"{op}: hidden {tuple(hidden.shape)} does not fit gate_up {tuple(gate_up.shape)} "
+                                   f"(E, 2I, H) / down {tuple(down.shape)} (E, H, I)")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden.shape[0]:
+        raise InvalidArgumentError(f"{op}: top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                                   f"{tuple(top_k_weights.shape)} must both be [T = {hidden.shape[0]}, top_k]")
+    cfg = config or NF4MoEConfig()
+    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < 16:
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
+    tokens, top_k = top_k_index.shape
+    use_dot = cfg.use_dot if cfg.use_dot is not None else tokens >= DOT_MIN_TOKENS
+    position, slot_token, block_expert = align_blocks(top_k_index, num_experts)
+    experts = top_k_index.reshape(-1).contiguous()
+    routing = (slot_token, block_expert, position, experts)
+    programs = block_expert.numel() if use_dot else experts.numel()
+    x = hidden.contiguous()
+    act = torch.empty(slot_token.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
+    _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
+            cfg.gate_up_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
+    out = torch.empty(slot_token.numel(), hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
+    _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
+            cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
+    return combine(out, position, top_k_weights, hidden.dtype)
+
+
+def fused_moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, gate_up: NF4Tensors, down: NF4Tensors, code,
+                              combine=None, config=None):
+    """Dequantize each routed expert to hidden.dtype in torch, then the kernels' math and roundings."""
+    dtype = hidden.dtype
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in top_k_index.unique().tolist():
+        token, slot = (top_k_index == e).nonzero(as_tuple=True)
+        w_gate_up = dequantize_nf4_ref(_expert(gate_up, e), code, dtype).float()  # [2I, H]
+        w_down = dequantize_nf4_ref(_expert(down, e), code, dtype).float()  # [H, I]
+        gate, up = (hidden[token].float() @ w_gate_up.T).to(dtype).float().chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype).float()
+        y = (act @ w_down.T).to(dtype).float()
+        out.index_add_(0, token, top_k_weights[token, slot].float()[:, None] * y)
+    return out.to(dtype)
+
+
+def _expert(t: NF4Tensors, e: int) -> NF4Tensors:
+    experts = t.shape[0]
+    pick = lambda a: None if a is None else a.reshape(experts, -1)[e]  # noqa: E731
+    return NF4Tensors(pick(t.packed), pick(t.absmax), tuple(t.shape[1:]), t.nested_code, pick(t.nested_absmax),
+                      pick(t.offset))

@@ -1,0 +1,184 @@
+"""NF4 kernels (nf4_gemv, nf4_moe) against their plain-torch references, and the layout against bitsandbytes.
+
+Shapes x compute dtype x (plain or nested absmax) x (tensor-core or multiply-add path), fresh random data.
+On the CPU the kernels run in Triton's interpreter, whose float32 -> bfloat16 cast truncates instead of
+rounding to nearest even: bf16 is checked loosely against the reference there, and exactly against the
+reference computed with the interpreter's rounding (test_bf16_is_exact_under_interpreter_rounding).
+"""
+
+import pytest
+import torch
+
+from moegraph.errors import InvalidArgumentError
+from moegraph.kernels import triton_available
+from moegraph.kernels.moe_combine import moe_combine
+from moegraph.kernels.nf4_gemv import NF4LinearConfig, nf4_linear, nf4_linear_ref
+from moegraph.kernels.nf4_moe import (NF4_CODE, NF4MoEConfig, NF4Tensors, dequantize_nf4_ref, fused_moe_experts_nf4,
+                                      fused_moe_experts_nf4_ref, nf4_code)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_available(torch.empty(0, device=DEVICE)), reason="Triton cannot run here")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# relative L2 error allowed: fp32 and fp16 differ from the reference only by float32 summation order (and
+# a rare 1-ulp flip of a rounded intermediate); bf16 on the CPU carries the interpreter's truncation
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 1e-2 if DEVICE == "cuda" else 6e-2}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_nf4(experts, rows, cols, nested, seed):
+    """Random bytes, positive absmax (never zeros); `experts` None gives one (N, K) weight like Linear4bit's."""
+    gen = _gen(seed)
+    e = experts or 1
+    nblocks = -(-rows * cols // 64)
+    packed = torch.randint(0, 256, (e, rows * cols // 2), dtype=torch.uint8, generator=gen)
+    shape = (rows, cols) if experts is None else (e, rows, cols)
+    if experts is None:
+        packed = packed.view(-1, 1)  # Linear4bit's weight.data shape
+    if not nested:
+        absmax = (torch.rand(e, nblocks, generator=gen) + 0.2) * 0.1
+        return NF4Tensors(packed.to(DEVICE), (absmax.view(-1) if experts is None else absmax).to(DEVICE), shape)
+    absmax_q = torch.randint(0, 256, (e, nblocks), dtype=torch.uint8, generator=gen)
+    nested_code = torch.randn(256, generator=gen) * 0.05
+    nested_absmax = torch.rand(e, -(-nblocks // 256), generator=gen) + 0.5
+    offset = torch.rand(e, generator=gen) * 0.05 + 0.05
+    if experts is None:
+        absmax_q, nested_absmax, offset = absmax_q.view(-1), nested_absmax.view(-1), offset.view(())
+    return NF4Tensors(packed.to(DEVICE), absmax_q.to(DEVICE), shape, nested_code.to(DEVICE), nested_absmax.to(DEVICE),
+                      offset.to(DEVICE))
+
+
+def _rel(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _linear_args(w: NF4Tensors):
+    return dict(nested_code=w.nested_code, nested_absmax=w.nested_absmax, offset=w.offset)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows_m, n, k, bias", [(1, 32, 128, False), (3, 48, 128, True), (3, 48, 96, True)])
+def test_nf4_linear(use_dot, nested, dtype, rows_m, n, k, bias):
+    """K = 96 puts 64-blocks across rows; block_k 64 makes K = 128 two steps, split over two programs."""
+    w = _random_nf4(None, n, k, nested, seed=rows_m * n + k)
+    x = torch.randn(rows_m, k, generator=_gen(1)).to(DEVICE, dtype)
+    b = torch.randn(n, generator=_gen(2)).to(DEVICE, dtype) if bias else None
+    code = nf4_code(DEVICE)
+    got = nf4_linear(x, w.packed, w.absmax, code, n, k, b, config=NF4LinearConfig(use_dot=use_dot, block_k=64),
+                     **_linear_args(w))
+    want = nf4_linear_ref(x, w.packed, w.absmax, code, n, k, b, **_linear_args(w))
+    assert _rel(got, want) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("low_nibble", [False, True])
+def test_nf4_linear_reads_high_nibble_first(use_dot, low_nibble):
+    """All weights 0 (index 7) but one: byte j of row 5 holds W[5, 2j] high, W[5, 2j + 1] low."""
+    n, k, row, byte, q = 32, 128, 5, 19, 13
+    packed = torch.full((n * k // 2,), 0x77, dtype=torch.uint8)
+    packed[row * k // 2 + byte] = (0x70 | q) if low_nibble else ((q << 4) | 0x7)
+    absmax = torch.full((n * k // 64,), 0.5)
+    x = torch.arange(1, k + 1, dtype=torch.float32)[None, :]  # x[0, c] = c + 1 tells which column was read
+    got = nf4_linear(x.to(DEVICE), packed.to(DEVICE), absmax.to(DEVICE), nf4_code(DEVICE), n, k,
+                     config=NF4LinearConfig(use_dot=use_dot, block_k=64)).cpu()
+    want = torch.zeros(1, n)
+    want[0, row] = NF4_CODE[q] * 0.5 * (2 * byte + int(low_nibble) + 1)
+    assert torch.equal(got, want), (got[0, row], want[0, row])
+
+
+def test_nf4_linear_split_k_is_deterministic():
+    n, k = 48, 512
+    w = _random_nf4(None, n, k, nested=False, seed=3)
+    x = torch.randn(2, k, generator=_gen(4)).to(DEVICE, torch.float16)
+    code = nf4_code(DEVICE)
+    split = [nf4_linear(x, w.packed, w.absmax, code, n, k, config=NF4LinearConfig(block_k=64, split_k=4))
+             for _ in range(2)]
+    whole = nf4_linear(x, w.packed, w.absmax, code, n, k, config=NF4LinearConfig(block_k=64, split_k=1))
+    assert torch.equal(split[0], split[1])
+    assert _rel(split[0], whole) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, inter", [(1, 32), (3, 64), (5, 32)])
+def test_fused_moe_experts_nf4(use_dot, nested, dtype, tokens, inter):
+    """E = 4, top-2 over experts 0..2 (expert 3 never routed); I = 32 puts the down projection's 64-blocks
+    across rows, I = 64 keeps them in rows."""
+    experts, hidden, top_k = 4, 64, 2
+    gate_up = _random_nf4(experts, 2 * inter, hidden, nested, seed=10 + tokens)
+    down = _random_nf4(experts, hidden, inter, nested, seed=20 + tokens)
+    gen = _gen(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    index = torch.rand(tokens, experts - 1, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE, dtype)
+    code = nf4_code(DEVICE)
+    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(use_dot=use_dot))
+    want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code)
+    assert _rel(got, want) < REL_TOL[dtype]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bf16 rounding only")
+def test_bf16_is_exact_under_interpreter_rounding(monkeypatch):
+    """With the references' float32 -> bf16 casts truncating like the interpreter's, the kernels match exactly:
+    what the loose bf16 tolerance above hides is that rounding and nothing else."""
+    to = torch.Tensor.to
+
+    def truncating_to(self, *args, **kwargs):
+        if args and args[0] is torch.bfloat16 and self.dtype == torch.float32 and not kwargs:
+            return to(self.contiguous().view(torch.int32).bitwise_and(-65536).view(torch.float32), torch.bfloat16)
+        return to(self, *args, **kwargs)
+
+    code = nf4_code(DEVICE)
+    gate_up, down = _random_nf4(4, 64, 64, True, seed=30), _random_nf4(4, 64, 32, True, seed=31)
+    x = torch.randn(3, 64, generator=_gen(5)).to(torch.bfloat16)
+    index = torch.rand(3, 3, generator=_gen(6)).topk(2, dim=-1).indices
+    weights = torch.rand(3, 2, generator=_gen(7)).to(torch.bfloat16)
+    w = _random_nf4(None, 48, 96, True, seed=32)
+    x_linear = torch.randn(3, 96, generator=_gen(8)).to(torch.bfloat16)
+    bias = torch.randn(48, generator=_gen(9)).to(torch.bfloat16)
+    got = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(use_dot=use_dot))
+           for use_dot in (False, True)]
+    got += [nf4_linear(x_linear, w.packed, w.absmax, code, 48, 96, bias,
+                       config=NF4LinearConfig(use_dot=use_dot, block_k=64), **_linear_args(w))
+            for use_dot in (False, True)]
+    monkeypatch.setattr(torch.Tensor, "to", truncating_to)
+    want_moe = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code)
+    want_linear = nf4_linear_ref(x_linear, w.packed, w.absmax, code, 48, 96, bias, **_linear_args(w))
+    monkeypatch.undo()
+    for g, want in zip(got, [want_moe, want_moe, want_linear, want_linear]):
+        assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_layout_matches_bitsandbytes(nested):
+    """bitsandbytes' own quantize_4bit output, read through NF4Tensors.from_bnb: the reference dequantizes like
+    bitsandbytes' dequantize_4bit, and nf4_linear equals a matmul with it."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(48, 128, generator=_gen(9))
+    packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    assert torch.equal(functional.get_4bit_type("nf4", device="cpu"), torch.tensor(NF4_CODE))
+    w = NF4Tensors.from_bnb(packed, state)
+    assert w.nested == nested
+    dense = functional.dequantize_4bit(packed, state)  # float32 [48, 128]
+    assert torch.equal(dequantize_nf4_ref(w, nf4_code("cpu"), torch.float32), dense)
+    x = torch.randn(2, 128, generator=_gen(10))
+    w = NF4Tensors(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in w))
+    got = nf4_linear(x.to(DEVICE), w.packed, w.absmax, nf4_code(DEVICE), 48, 128, **_linear_args(w))
+    torch.testing.assert_close(got.cpu(), x @ dense.T, atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_inputs_raise_with_what_was_found():
+    w = _random_nf4(None, 32, 128, nested=False, seed=11)
+    x = torch.randn(1, 128).to(DEVICE)
+    with pytest.raises(InvalidArgumentError, match="absmax must be torch.float32"):
+        nf4_linear(x, w.packed, w.absmax.half(), nf4_code(DEVICE), 32, 128)
+    with pytest.raises(InvalidArgumentError, match="x must be"):
+        nf4_linear(x[:, :64], w.packed, w.absmax, nf4_code(DEVICE), 32, 128)
+    with pytest.raises(InvalidArgumentError, match="nested NF4 needs"):
+        nf4_linear(x, w.packed, w.absmax.to(torch.uint8), nf4_code(DEVICE), 32, 128, nested_code=torch.zeros(256))
