@@ -306,7 +306,7 @@ def test_quantize_experts_on_tiny_model(tiny_model, moegraph_logs):
         want = tiny_model(**inputs).logits
         got = model(**inputs).logits
     error = _relative_error(got, want)
-    # measured 0.011 (seed 0); a swapped nibble order gives ~0.07, flipped absmax blocks ~0.02
+    # measured 0.010-0.015 over 3 model x 3 prompt seeds (double quant the same); swapped nibbles: 0.075-0.11
     assert error < 0.03, error
     for module in experts:  # the same model with the nibbles of each byte swapped must fail that bound
         for name in ("gate_up_proj", "down_proj"):
