@@ -70,11 +70,31 @@ _REFERENCE = dict(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_
 
 
 def _dense_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(module) is not nn.Linear:  # e.g. bitsandbytes' 8-bit or a user's wrapper: its own forward knows
+        return module(x)
     return nn.functional.linear(x, module.weight, module.bias)
 
 
 def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
+
+
+MAX_GEMV_ROWS = 16  # nf4_linear is a decode GEMV; more rows (prefill-sized) go to bitsandbytes' own forward
+
+
+def _nf4_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes NF4 Linear4bit through moegraph's capture-safe GEMV; anything else through its forward."""
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    if state is None or state.quant_type != "nf4" or state.blocksize != 64 or x.shape[0] > MAX_GEMV_ROWS:
+        return module(x)
+    from .kernels.nf4_gemv import nf4_linear
+
+    compute = getattr(module, "compute_dtype", None) or x.dtype
+    nested = dict(nested_code=state.state2.code, nested_absmax=state.state2.absmax,
+                  offset=state.offset) if state.nested else {}
+    out = nf4_linear(x.to(compute), module.weight.data, state.absmax, state.code, state.shape[0], state.shape[1],
+                     module.bias, **nested)
+    return out.to(x.dtype)
 
 
 def _choose_kernels(device: torch.device, head_dim: int, kernels: str) -> tuple[dict, str, str]:
@@ -104,7 +124,9 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     device = normalize_device(device)
     small_ops, kernel_name, kernel_why = _choose_kernels(device, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
-    if formats.projections == LINEAR4BIT:
+    if formats.projections == LINEAR4BIT and kernel_name == "triton":
+        linear, linear_name, linear_why = _nf4_gemv_linear, "triton", "moegraph's NF4 GEMV for Linear4bit weights"
+    elif formats.projections == LINEAR4BIT:
         linear, linear_name, linear_why = _module_linear, "bnb", "bitsandbytes Linear4bit forward"
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
@@ -134,8 +156,8 @@ def experts_format(experts: nn.Module) -> str:
 
 
 def experts_dtype(experts: nn.Module) -> torch.dtype:
-    dtype = getattr(experts, "compute_dtype", None)
-    return dtype if dtype is not None else experts.gate_up_proj.dtype
+    """The dtype the experts compute in (NF4 experts: what they dequantize to)."""
+    return experts.dtype if experts_format(experts) == NF4 else experts.gate_up_proj.dtype
 
 
 def experts_device(experts: nn.Module) -> torch.device:

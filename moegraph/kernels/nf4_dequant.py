@@ -11,6 +11,7 @@ Capture-safe: grid fixed by the sizes, no host sync.
 
 import torch
 
+from ._nf4 import _nf4_absmax
 from ._triton import tl, triton
 
 BLOCK_BYTES = 1024  # bytes (2048 weights) per program: 32 absmax blocks, wide enough for full-width stores
@@ -20,28 +21,21 @@ NESTED_BLOCK = 256  # absmax values per nested absmax (bitsandbytes' double-quan
 
 @triton.jit
 def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr,
-                           total_bytes, bytes_per_expert, blocks_per_expert, nested_per_expert,
-                           NESTED: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-                           NESTED_BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    mask = byte < total_bytes
-    packed = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
-    expert = byte // bytes_per_expert
-    block_in_expert = (byte % bytes_per_expert) // (QUANT_BLOCK // 2)
-    block = expert * blocks_per_expert + block_in_expert
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(nested_code_ptr + q, mask=mask, other=0.0)
-        scale = scale * tl.load(nested_absmax_ptr + expert * nested_per_expert + block_in_expert // NESTED_BLOCK,
-                                mask=mask, other=0.0)
-        absmax = scale + tl.load(offset_ptr + expert, mask=mask, other=0.0)
-    else:
-        absmax = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+                           bytes_per_expert, blocks_per_expert, nested_per_expert, NESTED: tl.constexpr,
+                           EXACT_MUL: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    expert = tl.program_id(0).to(tl.int64)
+    byte = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    mask = byte < bytes_per_expert
+    packed = tl.load(packed_ptr + expert * bytes_per_expert + byte, mask=mask, other=0).to(tl.int32)
+    absmax = _nf4_absmax(absmax_ptr + expert * blocks_per_expert, nested_code_ptr,
+                         nested_absmax_ptr + expert * nested_per_expert, offset_ptr + expert,
+                         byte // (QUANT_BLOCK // 2), mask, NESTED, EXACT_MUL)
     high = tl.load(code_ptr + (packed >> 4), mask=mask, other=0.0) * absmax
     low = tl.load(code_ptr + (packed & 15), mask=mask, other=0.0) * absmax
+    out = out_ptr + expert * 2 * bytes_per_expert + 2 * byte
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + 2 * byte, high.to(out_dtype), mask=mask)
-    tl.store(out_ptr + 2 * byte + 1, low.to(out_dtype), mask=mask)
+    tl.store(out, high.to(out_dtype), mask=mask)
+    tl.store(out + 1, low.to(out_dtype), mask=mask)
 
 
 def _check(packed, absmax, shape):
@@ -61,14 +55,14 @@ def nf4_dequantize(packed, absmax, code, shape, dtype, nested_code=None, nested_
     nested = nested_code is not None
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=packed.device)
-    total_bytes = packed.numel()
+    bytes_per_expert = rows * cols // 2
     blocks = rows * cols // QUANT_BLOCK
     dummy = absmax  # unused pointers when not nested
-    _nf4_dequantize_kernel[(triton.cdiv(total_bytes, BLOCK_BYTES),)](
+    _nf4_dequantize_kernel[(experts, triton.cdiv(bytes_per_expert, BLOCK_BYTES))](
         packed.contiguous(), absmax.contiguous(), code, nested_code if nested else dummy,
         nested_absmax.contiguous() if nested else dummy, offset if nested else dummy, out,
-        total_bytes, rows * cols // 2, blocks, triton.cdiv(blocks, NESTED_BLOCK) if nested else 1,
-        NESTED=nested, BLOCK_BYTES=BLOCK_BYTES, QUANT_BLOCK=QUANT_BLOCK, NESTED_BLOCK=NESTED_BLOCK)
+        bytes_per_expert, blocks, triton.cdiv(blocks, NESTED_BLOCK) if nested else 1,
+        NESTED=nested, EXACT_MUL=packed.is_cuda and nested, BLOCK_BYTES=BLOCK_BYTES, QUANT_BLOCK=QUANT_BLOCK)
     return out
 
 

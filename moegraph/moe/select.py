@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..kernels import triton_available
 from .grouped_mm import grouped_mm_available, moe_experts_grouped_mm
+from .nf4 import moe_experts_nf4_grouped_mm, moe_experts_nf4_ref, moe_experts_nf4_triton
 from .reference import moe_experts_ref
 from .triton_experts import moe_experts_triton
 
@@ -35,6 +36,9 @@ EXPERT_FUNCTIONS = {
     ("grouped_mm", "dense"): moe_experts_grouped_mm,
     ("triton", "dense"): moe_experts_triton,
     ("torch", "dense"): moe_experts_ref,
+    ("grouped_mm", "nf4"): moe_experts_nf4_grouped_mm,
+    ("triton", "nf4"): moe_experts_nf4_triton,
+    ("torch", "nf4"): moe_experts_nf4_ref,
 }
 
 
@@ -73,8 +77,14 @@ def _probe_experts(device, dtype, weight_format: str) -> nn.Module:
     return PROBE_EXPERTS[weight_format](_ProbeExperts(device, dtype))
 
 
+def _nf4_probe_experts(experts: nn.Module) -> nn.Module:
+    from ..quant.experts import NF4Experts
+
+    return NF4Experts.from_experts(experts)
+
+
 # weight format -> builds probe experts of that format from dense ones
-PROBE_EXPERTS = {"dense": lambda experts: experts}
+PROBE_EXPERTS = {"dense": lambda experts: experts, "nf4": _nf4_probe_experts}
 
 
 def _probe_eager(name: str, device, dtype, weight_format: str = "dense") -> str | None:

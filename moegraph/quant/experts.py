@@ -77,6 +77,7 @@ def check_fused_experts(module: nn.Module, name: str = "experts") -> None:
 class NF4Experts(nn.Module):
     """Fused experts with NF4 weights: gate_up [E, 2I, H] and down [E, H, I] as NF4Weight buffers."""
 
+    weight_format = "nf4"  # what moegraph's op table keys the experts implementation on
     # transformers' experts flags (use_experts_implementation) for code that reads them
     has_gate, has_bias, has_post_expert_norm, is_transposed, is_concatenated = True, False, False, False, True
 
