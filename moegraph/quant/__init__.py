@@ -1,6 +1,7 @@
 """4-bit expert weights in bitsandbytes' NF4 layout: the format, its (de)quantization and the NF4 experts module."""
 
 from .experts import NF4Experts, quantize_experts
+from .projections import quantize_projections
 from .nf4 import (
     BLOCKSIZE,
     NF4_CODE,
@@ -22,5 +23,6 @@ __all__ = [
     "from_bnb",
     "quantize_experts",
     "quantize_nf4",
+    "quantize_projections",
     "to_bnb",
 ]

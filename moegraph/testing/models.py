@@ -94,20 +94,51 @@ def build_model(
     num_layers: int | None = None,
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
+    quant: str | None = None,
+    double_quant: bool = False,
     **overrides,
 ):
-    """A Qwen3MoeForCausalLM with random weights, built on `device` in `dtype`, deterministic by seed."""
+    """A Qwen3MoeForCausalLM with random weights, built on `device` in `dtype`, deterministic by seed.
+
+    quant="nf4": the model as `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True))` with moegraph
+    loads it (experts in moegraph's NF4, projections as bitsandbytes Linear4bit, lm_head dense), built one
+    decoder layer at a time so that peak memory stays near the 4-bit size plus one dense layer.
+    """
     from transformers import Qwen3MoeForCausalLM
 
+    if quant not in (None, "nf4"):
+        raise InvalidArgumentError(f"quant={quant!r}: choose None or 'nf4'")
     config = make_config(name, num_layers=num_layers, **overrides)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     torch.manual_seed(seed)
+    if quant == "nf4":
+        return _build_nf4(Qwen3MoeForCausalLM, config, device, dtype, double_quant).eval()
     with torch.device(device), _default_dtype(dtype):
         model = Qwen3MoeForCausalLM(config)
     return model.eval()
+
+
+def _build_nf4(model_class, config, device, dtype, double_quant: bool):
+    """Build on the meta device, then materialize, initialize and quantize one piece at a time."""
+    from ..quant.experts import quantize_experts
+    from ..quant.projections import quantize_projections
+
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(config)
+    layers = list(model.model.layers)
+    rest = [m for n, m in model.model.named_children() if n != "layers"]
+    rest += [m for n, m in model.named_children() if n != "model"]
+    for module in rest + layers:
+        module.to_empty(device=device, recurse=True)
+        for sub in module.modules():
+            model._init_weights(sub)
+        if any(module is layer for layer in layers):
+            quantize_experts(module, double_quant=double_quant)
+            quantize_projections(module, double_quant=double_quant, skip=())
+    return model
 
 
 def random_prompts(batch_size: int, *, vocab_size: int, min_len: int = 4, max_len: int = 16, seed: int = 0,
