@@ -115,6 +115,9 @@ def _patch_classes(options: PatchOptions) -> None:
     for family in FAMILIES.values():
         _class_patches.wrap(family.sparse_block(), "forward", _moe_forward_wrapper(options))
         _class_patches.wrap(family.causal_lm(), "generate", _generate_wrapper)
+    from ..quant import loading
+
+    loading.install(_class_patches)  # fused experts quantized to NF4 as a 4-bit from_pretrained loads them
     _class_options = options
 
 
