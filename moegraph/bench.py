@@ -27,6 +27,11 @@ from moegraph.testing import build_model, random_prompts
 
 BACKENDS = ("hf", "hf_batched_mm", "hf_static_compile", "moegraph_eager", "moegraph")
 PRIORITY = ("moegraph", "hf", "moegraph_eager", "hf_batched_mm", "hf_static_compile")
+# --quant nf4 adds, on the same model quantized in place after the bf16 cases:
+# hf_4bit: transformers as load_in_4bit leaves it (Linear4bit projections, experts still bf16);
+# moegraph_nf4: moegraph with NF4 experts and Linear4bit projections.
+QUANT_BACKENDS = ("hf_4bit", "moegraph_nf4")
+NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + one fp32 absmax per 64 weights
 
 
 @dataclass
@@ -84,14 +89,17 @@ def count_distinct_experts(model, prompts, steps: int = 4) -> float:
     return sum(counts) / max(len(counts), 1)
 
 
-def step_bytes(config, batch_size: int, distinct_experts: float, context: float, dtype_bytes: int = 2) -> dict:
-    """Bytes one decode step reads at the least, by part."""
+def step_bytes(config, batch_size: int, distinct_experts: float, context: float, dtype_bytes: int = 2,
+               weight_bytes: float | None = None) -> dict:
+    """Bytes one decode step reads at the least, by part. weight_bytes: bytes per expert and projection
+    weight (default dtype_bytes; NF4_BYTES_PER_WEIGHT for 4-bit); router, norms, lm_head, KV stay dtype_bytes."""
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     layers = config.num_hidden_layers
+    weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
     parts = {
-        "experts": layers * distinct_experts * 3 * h * config.moe_intermediate_size * dtype_bytes,
-        "attention": layers * (h * q + 2 * h * kv + q * h) * dtype_bytes,
+        "experts": layers * distinct_experts * 3 * h * config.moe_intermediate_size * weight_bytes,
+        "attention": layers * (h * q + 2 * h * kv + q * h) * weight_bytes,
         "router": layers * config.num_experts * h * dtype_bytes,
         "norms": layers * (2 * h + 2 * d) * dtype_bytes + h * dtype_bytes,
         "lm_head": config.vocab_size * h * dtype_bytes,
@@ -124,13 +132,13 @@ class Runner:
 
     def setup(self, backend, batch_size):
         model = self.model
-        model.set_experts_implementation("batched_mm" if backend == "hf_batched_mm" else "grouped_mm")
+        if backend != "moegraph_nf4":
+            model.set_experts_implementation("batched_mm" if backend == "hf_batched_mm" else "grouped_mm")
         if backend.startswith("moegraph"):
-            moegraph.patch(model, cuda_graphs=backend == "moegraph", max_batch_size=max(batch_size, 1))
+            moegraph.patch(model, cuda_graphs=backend != "moegraph_eager", max_batch_size=max(batch_size, 1))
 
     def teardown(self):
         moegraph.unpatch(self.model)
-        self.model.set_experts_implementation("grouped_mm")
         torch.cuda.empty_cache()
 
     def run(self, backend, batch_size, prompts) -> Case:
@@ -223,7 +231,7 @@ def _plot(results, path):
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for backend in BACKENDS + ("roofline",):
+    for backend in BACKENDS + QUANT_BACKENDS + ("roofline",):
         key = "roofline_tok_s" if backend == "roofline" else "tok_s"
         points = sorted((c["batch_size"], c[key]) for c in results["cases"]
                         if (backend == "roofline" and c["backend"] == "moegraph") or c["backend"] == backend)
@@ -245,9 +253,6 @@ def _plot(results, path):
 def run_bench(args) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (it measures decode speed against the GPU's memory bandwidth)")
-        return 2
-    if args.quant != "none":
-        print(f"--quant {args.quant}: 4-bit expert weights are not implemented in moegraph {moegraph.__version__} yet")
         return 2
     unknown = set(args.backends.split(",")) - set(BACKENDS)
     if unknown:
@@ -283,21 +288,29 @@ def run_bench(args) -> int:
         roofline = batch_size / (parts["total"] / bandwidth)
         results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "step_bytes": parts,
                                            "roofline_tok_s": roofline}
-        print(f"batch {batch_size}: {distinct:.1f} distinct experts/layer, {parts['total'] / 1e9:.2f} GB/step, "
-              f"roofline {roofline:.0f} tok/s", flush=True)
+        line = (f"batch {batch_size}: {distinct:.1f} distinct experts/layer, {parts['total'] / 1e9:.2f} GB/step, "
+                f"roofline {roofline:.0f} tok/s")
+        if args.quant == "nf4":
+            parts4 = step_bytes(model.config, batch_size, distinct, context, weight_bytes=NF4_BYTES_PER_WEIGHT)
+            results["roofline"][batch_size]["nf4_step_bytes"] = parts4
+            results["roofline"][batch_size]["nf4_roofline_tok_s"] = batch_size / (parts4["total"] / bandwidth)
+            line += (f"; NF4 {parts4['total'] / 1e9:.2f} GB/step, roofline "
+                     f"{results['roofline'][batch_size]['nf4_roofline_tok_s']:.0f} tok/s")
+        print(line, flush=True)
     cases = []
     # the most telling comparisons first, so that a tight budget trims the others
     for backend in sorted(backends, key=PRIORITY.index):
         for batch_size in batch_sizes:
-            case = runner.run(backend, batch_size, prompts[batch_size])
-            case.roofline_tok_s = results["roofline"][batch_size]["roofline_tok_s"]
-            cases.append(case)
-            print(f"  {backend:<18} bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
-                  f"{case.decode_ms_per_step:8.2f} ms/step" + (f"  ({'; '.join(case.notes)})" if case.notes else ""),
-                  flush=True)
-    cases.sort(key=lambda c: (c.batch_size, BACKENDS.index(c.backend)))
+            cases.append(_run_case(runner, backend, batch_size, prompts, results))
+    if args.quant == "nf4":
+        cases += _run_nf4_cases(runner, model, batch_sizes, prompts, results, args)
+        del runner, model
+        results["loading"] = measure_nf4_loading(args.num_layers)
+        print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
+        model = None
+    cases.sort(key=lambda c: (c.batch_size, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
     results["cases"] = [asdict(c) for c in cases]
-    profile = profile_one_step(model, 1) if args.profile else None
+    profile = profile_one_step(model, 1) if args.profile and model is not None else None
     results["profile"] = profile
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"bench_{args.num_layers}l")
@@ -309,6 +322,52 @@ def run_bench(args) -> int:
     print(_table(cases, results, time.perf_counter() - started))
     print(f"wrote {stem}.json" + (f" and {plot}" if plot else ""))
     return 0
+
+
+def _run_case(runner, backend, batch_size, prompts, results) -> Case:
+    case = runner.run(backend, batch_size, prompts[batch_size])
+    key = "nf4_roofline_tok_s" if backend in QUANT_BACKENDS else "roofline_tok_s"
+    case.roofline_tok_s = results["roofline"][batch_size][key]
+    print(f"  {backend:<18} bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
+          f"{case.decode_ms_per_step:8.2f} ms/step" + (f"  ({'; '.join(case.notes)})" if case.notes else ""),
+          flush=True)
+    return case
+
+
+def _run_nf4_cases(runner, model, batch_sizes, prompts, results, args) -> list:
+    """Quantize the bf16 model in place, as load_in_4bit would (projections), then as moegraph does (experts)."""
+    from moegraph.quant.experts import quantize_experts
+    from moegraph.quant.projections import quantize_projections
+
+    cases = []
+    quantize_projections(model)
+    if "hf" in args.backends.split(","):
+        for batch_size in batch_sizes:
+            case = _run_case(runner, "hf", batch_size, prompts, results)
+            case.backend = "hf_4bit"
+            case.roofline_tok_s = results["roofline"][batch_size]["nf4_roofline_tok_s"]
+            cases.append(case)
+    quantize_experts(model)
+    torch.cuda.empty_cache()
+    results["nf4_memory_gb"] = torch.cuda.memory_allocated() / 1e9
+    print(f"NF4 model in memory: {results['nf4_memory_gb']:.2f} GB", flush=True)
+    for batch_size in batch_sizes:
+        cases.append(_run_case(runner, "moegraph_nf4", batch_size, prompts, results))
+    return cases
+
+
+def measure_nf4_loading(num_layers: int) -> dict:
+    """GPU memory while building the NF4 model one layer at a time (the quantize-as-it-arrives path) and after."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_model("qwen3-30b-a3b", num_layers=num_layers, device="cuda", dtype=torch.bfloat16, seed=0,
+                        quant="nf4")
+    after = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    del model
+    torch.cuda.empty_cache()
+    return {"after_gb": after / 1e9, "peak_gb": peak / 1e9}
 
 
 def _table(cases, results, elapsed) -> str:
