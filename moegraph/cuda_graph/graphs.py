@@ -41,16 +41,17 @@ class StaticInputs:
     """Inputs every graph reads, allocated once at the largest bucket; a bucket uses a prefix."""
 
     token_ids: torch.Tensor  # [rows] int64
-    positions: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64: where the token's K/V go in the row's compact cache
+    rope_positions: torch.Tensor  # [rows] int64: the position id RoPE rotates by, as transformers counts it
 
     @classmethod
     def allocate(cls, rows: int, device: torch.device) -> "StaticInputs":
-        return cls(torch.zeros(rows, dtype=torch.long, device=device),
-                   torch.zeros(rows, dtype=torch.long, device=device))
+        return cls(*(torch.zeros(rows, dtype=torch.long, device=device) for _ in range(3)))
 
     def clear(self) -> None:
         self.token_ids.zero_()
         self.positions.zero_()
+        self.rope_positions.zero_()
 
 
 @dataclass
