@@ -122,6 +122,17 @@ def test_continue_from_a_cache_prefills_only_the_new_tokens(model, first_turn):
     _assert_same_cache(getattr(got, CACHE), getattr(want, CACHE))
 
 
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # newer transformers deprecate the name
+def test_the_older_cache_keyword_stays_on_the_fast_path(model):
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=44)
+    kwargs = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    first = model.generate(**inputs, **kwargs)
+    turn = _second_turn(inputs, first, seed=4)
+    want, got, stats = _both(model, **turn, past_key_values=getattr(first, CACHE), **kwargs)
+    assert stats.fallback_reason is None
+    assert torch.equal(got.sequences, want.sequences)
+
+
 def test_continue_with_only_the_new_tokens_and_a_full_mask(model):
     """transformers also takes just the uncached tokens when the mask covers the whole sequence."""
     inputs = random_prompts(2, vocab_size=model.config.vocab_size, min_len=4, max_len=8, seed=34)
