@@ -1,5 +1,6 @@
 """The transformers contract of a patched generate(): the returned Cache, continuing from a cache, the inputs
-people pass, fallbacks that say so. CPU, fp32, tiny model, always against unpatched transformers."""
+people pass, fallbacks that say so, settings that are honoured. CPU, fp32, tiny model, always against
+unpatched transformers."""
 
 import copy
 import logging
@@ -247,3 +248,59 @@ def test_fallback_warns_once_per_model_and_reason(model, moegraph_logs):
     lines = _fallback_lines(moegraph_logs)
     assert [r.levelno for r in lines] == [logging.WARNING, logging.WARNING]
     assert "beam_search" in lines[0].getMessage() and "output_hidden_states" in lines[1].getMessage()
+
+
+# ----- 4. settings that are honoured --------------------------------------------------------------------------
+def test_max_seq_len_is_honoured_by_a_warned_fallback(model, moegraph_logs):
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, min_len=5, max_len=10, seed=39)
+    moegraph.patch(model, max_seq_len=24)
+    try:
+        model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        assert moegraph.decode_stats(model).fallback_reason is None
+        from moegraph.patches.api import _decoder_for
+
+        assert _decoder_for(model).cache.positions == 24
+        got = [model.generate(**inputs, max_new_tokens=n, do_sample=False) for n in (20, 30)]
+        reason = moegraph.decode_stats(model).fallback_reason
+    finally:
+        moegraph.unpatch(model)
+    assert "max_seq_len=24" in reason and "40 positions" in reason and "raise max_seq_len" in reason
+    lines = _fallback_lines(moegraph_logs)
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING  # once, though the numbers differ
+    for n, out in zip((20, 30), got):
+        assert torch.equal(out, model.generate(**inputs, max_new_tokens=n, do_sample=False))
+
+
+def test_decode_stats_cover_the_whole_call(model):
+    inputs = random_prompts(5, vocab_size=model.config.vocab_size, seed=40)
+    moegraph.patch(model, max_batch_size=2)
+    try:
+        model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        stats = moegraph.decode_stats(model)
+        assert (stats.batch_size, stats.chunks, stats.steps) == (5, 3, 18)
+        assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+        model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
+        assert "beam_search" in moegraph.decode_stats(model).fallback_reason
+        with pytest.raises(ValueError):  # transformers refuses it, before any decoding
+            model.generate(**inputs, max_length=2, do_sample=False)
+        assert moegraph.decode_stats(model).fallback_reason is None and moegraph.decode_stats(model).steps == 0
+    finally:
+        moegraph.unpatch(model)
+
+
+def test_capture_on_cpu_says_what_it_did(model, moegraph_logs):
+    moegraph.patch(model)
+    try:
+        moegraph.capture(model, batch_size=2, max_length=64)
+        moegraph.capture(model, batch_size=4, max_length=600)
+    finally:
+        moegraph.unpatch(model)
+    text = moegraph_logs.text
+    assert "re-capturing" not in text
+    assert "capture(): no CUDA graphs on cpu" in text and "growing the static KV cache" in text
+
+
+def test_unknown_option_names_the_valid_ones(model):
+    with pytest.raises(moegraph.InvalidArgumentError, match=r"'max_batch'.*max_batch_size.*max_seq_len"):
+        moegraph.patch(model, max_batch=8)
+    assert not moegraph.is_patched(model)

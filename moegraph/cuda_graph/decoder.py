@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import InvalidArgumentError
 from ..ops import ops_for_model
 from ..options import PatchOptions
 from ..patches.registry import family_of
@@ -33,8 +34,9 @@ logger = logging.getLogger("moegraph")
 class DecodeStats:
     """What the last generate() did, over the whole call (every chunk of a split batch, summed).
 
-    `host_ms_per_step` is CPU time spent issuing a step; `capture_seconds` is the time this call
-    spent capturing graphs (0 when they were already captured)."""
+    Reset at the start of every call: a call that fell back has only `fallback_reason`, one that
+    raised has nothing. `host_ms_per_step` is CPU time spent issuing a step; `capture_seconds` is the
+    time this call spent capturing graphs (0 when they were already captured)."""
 
     graphs: bool = False
     batch_size: int = 0
@@ -139,13 +141,35 @@ class GraphDecoder:
                             f"graphs.\n{ops.describe()}")
         return ops.capture_safe
 
-    def capture(self, batch_size: int | None = None, max_length: int = SEQ_ALIGN) -> None:
-        """Allocate the static cache and capture the graphs now instead of at the first generate()."""
+    def capture(self, batch_size: int | None = None, max_length: int | None = None) -> None:
+        """Allocate the static cache and capture the graphs now instead of at the first generate().
+
+        max_length: prompt + new tokens to prepare for (default: max_seq_len, else 256)."""
         rows = min(batch_size or self.options.max_batch_size, self.options.max_batch_size)
-        self._ensure_capacity(rows, max_length)
+        limit = self.options.max_seq_len
+        if max_length is None:
+            max_length = limit or SEQ_ALIGN
+        if limit is not None and max_length > limit:
+            raise InvalidArgumentError(f"capture(max_length={max_length}) exceeds max_seq_len={limit}; pass "
+                                       f"max_length <= {limit}, or patch with a larger max_seq_len")
+        use_graphs = self.graphs_enabled()
+        self._ensure_capacity(rows, max_length, use_graphs)
+        if not use_graphs:
+            logger.info("moegraph: capture(): %s; the static KV cache (%d rows x %d positions) is ready for the "
+                        "eager decode loop", self._why_no_graphs(), self.cache.rows, self.cache.positions)
+
+    def _why_no_graphs(self) -> str:
+        if not self.options.cuda_graphs:
+            return "no CUDA graphs (cuda_graphs=False)"
+        if self.model.device.type != "cuda":
+            return f"no CUDA graphs on {self.model.device.type}"
+        if self._capture_error is not None:
+            return f"no CUDA graphs (a capture failed: {self._capture_error})"
+        return "no CUDA graphs (the decode step is not capture-safe here)"
 
     # ----- generate() entry -------------------------------------------------------------------
     def generate(self, hf_generate, args: tuple, kwargs: dict):
+        self.stats = DecodeStats()  # whatever this call does (or raises), stats describe this call only
         reason = support.check_call(self.model, args, kwargs)
         if reason is not None:
             return self._fall_back(reason, hf_generate, args, kwargs)
@@ -161,17 +185,19 @@ class GraphDecoder:
         self._record_fallback(reason)
         return hf_generate(*args, **kwargs)
 
-    def _record_fallback(self, reason: str) -> None:
-        """Record why this call left the fast path; say it once per model and reason."""
+    def _record_fallback(self, reason: str, once_key: str | None = None) -> None:
+        """Record why this call left the fast path; say it once per model and reason (`once_key`)."""
         self.stats = DecodeStats(fallback_reason=reason)
-        if reason not in self._warned:
-            self._warned.add(reason)
+        key = once_key or reason
+        if key not in self._warned:
+            self._warned.add(key)
             logger.warning("moegraph: generate() falls back to transformers: %s is not supported by the graph "
                            "decoder (logged once per model and reason)", reason)
 
     def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
         rows = input_ids.shape[0]
         reason = support.check_prepared(logits_processor, stopping_criteria)
+        once_key = None
         if reason is None and generation_config.return_dict_in_generate and rows > self.options.max_batch_size \
                 and (generation_config.output_scores or generation_config.output_logits):
             reason = f"output_scores/output_logits with more rows ({rows}) than max_batch_size"
@@ -181,10 +207,16 @@ class GraphDecoder:
             if isinstance(prompt, str):
                 reason, prompt = prompt, None
         max_new = int(generation_config.max_length) - input_ids.shape[1]
+        if reason is None and self.options.max_seq_len is not None \
+                and prompt.kv_width + max_new > self.options.max_seq_len:
+            reason = (f"a call needing {prompt.kv_width + max_new} positions ({prompt.kv_width} prompt + {max_new} "
+                      f"new tokens) with max_seq_len={self.options.max_seq_len} (raise max_seq_len, or leave it "
+                      "None to grow the static cache on demand)")
+            once_key = "max_seq_len"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 
-            self._record_fallback(reason)
+            self._record_fallback(reason, once_key)
             return GenerationMixin._sample(self.model, input_ids, logits_processor=logits_processor,
                                            stopping_criteria=stopping_criteria, generation_config=generation_config,
                                            synced_gpus=False, streamer=streamer, **model_kwargs)
@@ -433,14 +465,15 @@ class GraphDecoder:
         if use_graphs is None:
             use_graphs = self.graphs_enabled()
         need_rows = bucket_for(rows, self.buckets)
-        need_positions = max(round_up(positions, SEQ_ALIGN), self.options.max_seq_len or 0)
+        need_positions = self.options.max_seq_len or round_up(positions, SEQ_ALIGN)
         cache = self.cache
         if cache is None or cache.rows < need_rows or cache.positions < need_positions:
             new_rows = max(need_rows, cache.rows if cache else 0)
             new_positions = max(need_positions, cache.positions if cache else 0)
             if cache is not None:
-                logger.info("moegraph: growing the static KV cache from %dx%d to %dx%d (rows x positions) "
-                            "and re-capturing the decode graphs", cache.rows, cache.positions, new_rows, new_positions)
+                logger.info("moegraph: growing the static KV cache from %dx%d to %dx%d (rows x positions)%s",
+                            cache.rows, cache.positions, new_rows, new_positions,
+                            " and re-capturing the decode graphs" if use_graphs else "")
             self.release()
             self._allocate(new_rows, new_positions)
         if use_graphs:
