@@ -1,6 +1,6 @@
 """The transformers contract of a patched generate(): the returned Cache, continuing from a cache, the inputs
-people pass, fallbacks that say so, settings that are honoured. CPU, fp32, tiny model, always against
-unpatched transformers."""
+people pass, fallbacks that say so, settings that are honoured, weights that change. CPU, fp32, tiny model,
+always against unpatched transformers."""
 
 import copy
 import logging
@@ -304,3 +304,42 @@ def test_unknown_option_names_the_valid_ones(model):
     with pytest.raises(moegraph.InvalidArgumentError, match=r"'max_batch'.*max_batch_size.*max_seq_len"):
         moegraph.patch(model, max_batch=8)
     assert not moegraph.is_patched(model)
+
+
+# ----- 5. weights that change under the decoder ---------------------------------------------------------------
+def test_in_place_weight_update_is_followed():
+    model = build_model("tiny", seed=1)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=41)
+    moegraph.patch(model)
+    try:
+        model.generate(**inputs, max_new_tokens=5, do_sample=False)
+        from moegraph.patches.api import _decoder_for
+
+        cache = _decoder_for(model).cache
+        with torch.no_grad():  # what an optimizer step does: same storage, new values
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        got = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+        assert _decoder_for(model).cache is cache  # nothing was rebuilt
+    finally:
+        moegraph.unpatch(model)
+    assert torch.equal(got, model.generate(**inputs, max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "new_parameter"])
+def test_replaced_weights_are_detected(moegraph_logs, how):
+    model, other = build_model("tiny", seed=1), build_model("tiny", seed=2)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=42)
+    moegraph.patch(model)
+    try:
+        model.generate(**inputs, max_new_tokens=5, do_sample=False)
+        if how == "load_state_dict_assign":
+            model.load_state_dict(other.state_dict(), assign=True)
+        else:
+            model.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach().clone())
+        got = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    finally:
+        moegraph.unpatch(model)
+    lines = [r for r in moegraph_logs.records if "were replaced" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert torch.equal(got, model.generate(**inputs, max_new_tokens=5, do_sample=False))

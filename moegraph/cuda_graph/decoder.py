@@ -24,7 +24,7 @@ from ..options import PatchOptions
 from ..patches.registry import family_of
 from . import hf_cache, support
 from .decode_step import decode_forward
-from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for
+from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
 from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
 
 logger = logging.getLogger("moegraph")
@@ -124,12 +124,15 @@ class GraphDecoder:
         self._warned: set[str] = set()
         self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
         self.ops = None  # the OpTable of the decode step, resolved with the static cache
+        self._weight_slots: list = []  # where the step reads its weights (graphs.weight_slots), with the cache
+        self._weights: tuple = ()  # their storage pointers when the cache and graphs were built
 
     # ----- lifecycle -------------------------------------------------------------------------
     def release(self) -> None:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.cache = self.inputs = None
+        self._weight_slots, self._weights = [], ()
 
     def graphs_enabled(self) -> bool:
         device = self.model.device
@@ -461,9 +464,20 @@ class GraphDecoder:
 
     # ----- static cache and graphs ------------------------------------------------------------
     def _ensure_capacity(self, rows: int, positions: int, use_graphs: bool | None = None) -> None:
-        """Grow the static cache (re-capturing graphs) when a call needs more rows or positions."""
+        """Grow the static cache (re-capturing graphs) when a call needs more rows or positions.
+
+        Also where replaced weights are noticed: graphs read the storage they were captured with, so
+        a parameter replaced since then (new storage) means rebuilding the cache and graphs."""
         if use_graphs is None:
             use_graphs = self.graphs_enabled()
+        if self.cache is not None and weights_signature(self._weight_slots) != self._weights:
+            captured = self.graphs is not None and bool(self.graphs.graphs)
+            logger.info("moegraph: parameters of the model were replaced since %s (load_state_dict(assign=True), "
+                        ".to(), a new nn.Parameter or module); %s",
+                        "the decode graphs were captured" if captured else "the static KV cache was allocated",
+                        "re-capturing them" if use_graphs else "allocating the static KV cache again")
+            rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
+            self.release()
         need_rows = bucket_for(rows, self.buckets)
         need_positions = self.options.max_seq_len or round_up(positions, SEQ_ALIGN)
         cache = self.cache
@@ -493,6 +507,8 @@ class GraphDecoder:
         self.inputs = StaticInputs.allocate(rows, device)
         self.ops = ops_for_model(self.model, self.options.moe_backend)
         self.graphs = BucketGraphs(step=self._forward)
+        self._weight_slots = weight_slots(self.model)
+        self._weights = weights_signature(self._weight_slots)
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)
 
