@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .errors import InvalidArgumentError
 from .moe.select import validate_backend_name
@@ -24,3 +24,13 @@ class PatchOptions:
             raise InvalidArgumentError(f"max_seq_len must be an int >= 2 or None (grow on demand), got {self.max_seq_len!r}")
         if not isinstance(self.check_every, int) or self.check_every < 1:
             raise InvalidArgumentError(f"check_every must be a positive int, got {self.check_every!r}")
+
+    @classmethod
+    def from_kwargs(cls, **options) -> "PatchOptions":
+        """The options given to patch(), refusing a name that is not one of them."""
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise InvalidArgumentError(f"moegraph.patch() got unknown option(s) {', '.join(map(repr, unknown))}; "
+                                       f"valid options: {', '.join(valid)}")
+        return cls(**options)

@@ -63,3 +63,55 @@ def test_agreement_with_pure_transformers(model, capsys):
         # a divergence is only acceptable where transformers itself was near a tie (bf16 rounding)
         assert margin < 0.25, f"divergence at a confident position (margin {margin})"
     print(f"{agree}/3 rows identical to pure transformers")
+
+
+def test_weights_changed_under_the_graphs(moegraph_logs):
+    """In-place updates: the graphs are kept and read the new values. Replaced parameters: noticed before
+    decoding, the graphs are re-captured. Either way the tokens are those of moegraph's eager loop (which reads
+    the live weights) with the new weights, bit for bit, and differ from the old weights' tokens."""
+    from moegraph.patches.api import _decoder_for
+
+    build = dict(num_layers=1, device="cuda", dtype=torch.bfloat16)
+    model = build_model("qwen3-30b-a3b", seed=3, **build)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    other = build_model("qwen3-30b-a3b", seed=4, **build)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, min_len=8, max_len=24, seed=5, device="cuda")
+
+    def generate():
+        return model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+    def eager():
+        moegraph.unpatch(model)
+        moegraph.patch(model, max_batch_size=2, cuda_graphs=False)
+        out = generate()
+        moegraph.unpatch(model)
+        moegraph.patch(model, max_batch_size=2)
+        return out
+
+    moegraph.patch(model, max_batch_size=2)
+    try:
+        before = generate()
+        decoder = _decoder_for(model)
+        graphs = decoder.graphs
+        assert moegraph.decode_stats(model).graphs
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.copy_(q)
+        in_place = generate()
+        assert decoder.graphs is graphs and moegraph.decode_stats(model).capture_seconds == 0
+        assert not [r for r in moegraph_logs.records if "were replaced" in r.getMessage()]
+        assert not torch.equal(in_place, before)
+        assert torch.equal(in_place, eager())
+
+        generate()  # capture again with `other`'s values in place
+        graphs = _decoder_for(model).graphs
+        model.load_state_dict(original, assign=True)  # new storage: the graphs would read freed or stale memory
+        replaced = generate()
+        stats = moegraph.decode_stats(model)
+        assert stats.graphs and stats.capture_seconds > 0 and _decoder_for(model).graphs is not graphs
+        lines = [r for r in moegraph_logs.records if "were replaced" in r.getMessage()]
+        assert len(lines) == 1 and "re-capturing" in lines[0].getMessage()
+        assert torch.equal(replaced, before)
+        assert torch.equal(replaced, eager())
+    finally:
+        moegraph.unpatch(model)

@@ -18,14 +18,17 @@ from .static_cache import StaticKVCache
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
 
+    rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers
+    counts a right-padded or custom-positioned row differently from its compact index); None: the same.
     ops: the OpTable (moegraph.ops) chosen for this model when the decoder was built."""
     inner = model.model
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
-    cos, sin = inner.rotary_emb(residual[:, None], positions[:, None])  # [b, 1, D]
+    rope_positions = positions if rope_positions is None else rope_positions
+    cos, sin = inner.rotary_emb(residual[:, None], rope_positions[:, None])  # [b, 1, D]
     # [b, 1, 1, S] additive mask, built once per step (a boolean mask would be converted in every layer):
     # position p is visible to a row once p <= the row's current position
     visible = torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None]

@@ -18,23 +18,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import InvalidArgumentError
 from ..ops import ops_for_model
 from ..options import PatchOptions
 from ..patches.registry import family_of
-from . import support
+from . import hf_cache, support
 from .decode_step import decode_forward
-from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for
-from .static_cache import SEQ_ALIGN, StaticKVCache, round_up
+from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
+from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
 
 logger = logging.getLogger("moegraph")
 
 
 @dataclass
 class DecodeStats:
-    """What the last fast-path generate() did; `host_ms_per_step` is CPU time spent issuing a step."""
+    """What the last generate() did, over the whole call (every chunk of a split batch, summed).
+
+    Reset at the start of every call: a call that fell back has only `fallback_reason`, one that
+    raised has nothing. `host_ms_per_step` is CPU time spent issuing a step; `capture_seconds` is the
+    time this call spent capturing graphs (0 when they were already captured)."""
 
     graphs: bool = False
     batch_size: int = 0
+    chunks: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
@@ -48,6 +54,33 @@ class DecodeStats:
 
 
 @dataclass
+class _Prompt:
+    """The prompt as transformers prepared it for the call, and where its K/V come from and go.
+
+    transformers' own prefill is reproduced: an input cache holding `past` positions means only
+    the uncached suffix is run (`next_sequence_length`, sliced as transformers' `_prefill` slices it).
+    """
+
+    model_kwargs: dict  # what transformers passes to the prefill (mask, position ids, embeds, logits_to_keep, ...)
+    cache_name: str  # the cache's keyword in model_kwargs and in the model's forward
+    cache: object | None  # the call's transformers Cache (fresh, or the user's); None with use_cache=False
+    keep_cache: bool  # the Cache outlives the call (returned, or the user's): generated K/V go into it
+    past: int  # positions `cache` held before the call
+    next_sequence_length: int | None  # the uncached suffix of the input; None: all of it
+    kv_width: int  # positions after the prefill: past + the prefilled input
+    rope_start: torch.Tensor  # [rows] int64: transformers' position id of the first generated token
+
+    def rows_kwargs(self, rows: slice, batch: int) -> dict:
+        """model_kwargs for rows `rows` of a batch of `batch` rows (the batch-shaped tensors sliced)."""
+        kwargs = dict(self.model_kwargs)
+        for name in ("attention_mask", "position_ids", "inputs_embeds"):
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.shape[0] == batch:
+                kwargs[name] = value[rows]
+        return kwargs
+
+
+@dataclass
 class _Call:
     """Per-call settings of the decode loop, read from what transformers prepared."""
 
@@ -58,10 +91,24 @@ class _Call:
     pad: torch.Tensor | None
     do_sample: bool
     max_length: int
+    max_new: int  # new tokens at most: max_length - input_ids.shape[1]
     keep_scores: bool
     keep_logits: bool
+    prompt: _Prompt
+    stats: DecodeStats
     scores: list = field(default_factory=list)
     raw_logits: list = field(default_factory=list)
+
+
+@dataclass
+class _Rows:
+    """What decoding one chunk of rows left: its tokens, and its part of the returned Cache."""
+
+    tokens: torch.Tensor  # [n, input + produced]
+    produced: int
+    cache: object | None  # the chunk's transformers Cache (prefill + generated K/V) when the call keeps one
+    attention_mask: torch.Tensor | None
+    rope_start: torch.Tensor
 
 
 class GraphDecoder:
@@ -77,12 +124,15 @@ class GraphDecoder:
         self._warned: set[str] = set()
         self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
         self.ops = None  # the OpTable of the decode step, resolved with the static cache
+        self._weight_slots: list = []  # where the step reads its weights (graphs.weight_slots), with the cache
+        self._weights: tuple = ()  # their storage pointers when the cache and graphs were built
 
     # ----- lifecycle -------------------------------------------------------------------------
     def release(self) -> None:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.cache = self.inputs = None
+        self._weight_slots, self._weights = [], ()
 
     def graphs_enabled(self) -> bool:
         device = self.model.device
@@ -94,13 +144,35 @@ class GraphDecoder:
                             f"graphs.\n{ops.describe()}")
         return ops.capture_safe
 
-    def capture(self, batch_size: int | None = None, max_length: int = SEQ_ALIGN) -> None:
-        """Allocate the static cache and capture the graphs now instead of at the first generate()."""
+    def capture(self, batch_size: int | None = None, max_length: int | None = None) -> None:
+        """Allocate the static cache and capture the graphs now instead of at the first generate().
+
+        max_length: prompt + new tokens to prepare for (default: max_seq_len, else 256)."""
         rows = min(batch_size or self.options.max_batch_size, self.options.max_batch_size)
-        self._ensure_capacity(rows, max_length)
+        limit = self.options.max_seq_len
+        if max_length is None:
+            max_length = limit or SEQ_ALIGN
+        if limit is not None and max_length > limit:
+            raise InvalidArgumentError(f"capture(max_length={max_length}) exceeds max_seq_len={limit}; pass "
+                                       f"max_length <= {limit}, or patch with a larger max_seq_len")
+        use_graphs = self.graphs_enabled()
+        self._ensure_capacity(rows, max_length, use_graphs)
+        if not use_graphs:
+            logger.info("moegraph: capture(): %s; the static KV cache (%d rows x %d positions) is ready for the "
+                        "eager decode loop", self._why_no_graphs(), self.cache.rows, self.cache.positions)
+
+    def _why_no_graphs(self) -> str:
+        if not self.options.cuda_graphs:
+            return "no CUDA graphs (cuda_graphs=False)"
+        if self.model.device.type != "cuda":
+            return f"no CUDA graphs on {self.model.device.type}"
+        if self._capture_error is not None:
+            return f"no CUDA graphs (a capture failed: {self._capture_error})"
+        return "no CUDA graphs (the decode step is not capture-safe here)"
 
     # ----- generate() entry -------------------------------------------------------------------
     def generate(self, hf_generate, args: tuple, kwargs: dict):
+        self.stats = DecodeStats()  # whatever this call does (or raises), stats describe this call only
         reason = support.check_call(self.model, args, kwargs)
         if reason is not None:
             return self._fall_back(reason, hf_generate, args, kwargs)
@@ -116,20 +188,38 @@ class GraphDecoder:
         self._record_fallback(reason)
         return hf_generate(*args, **kwargs)
 
-    def _record_fallback(self, reason: str) -> None:
-        logger.info("moegraph: generate() falls back to transformers: %s is not supported by the graph decoder", reason)
+    def _record_fallback(self, reason: str, once_key: str | None = None) -> None:
+        """Record why this call left the fast path; say it once per model and reason (`once_key`)."""
         self.stats = DecodeStats(fallback_reason=reason)
+        key = once_key or reason
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("moegraph: generate() falls back to transformers: %s is not supported by the graph "
+                           "decoder (logged once per model and reason)", reason)
 
     def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
-        attention_mask = model_kwargs.get("attention_mask")
-        reason = support.check_prepared(logits_processor, stopping_criteria, attention_mask)
-        if reason is None and generation_config.return_dict_in_generate and input_ids.shape[0] > self.options.max_batch_size \
+        rows = input_ids.shape[0]
+        reason = support.check_prepared(logits_processor, stopping_criteria)
+        once_key = None
+        if reason is None and generation_config.return_dict_in_generate and rows > self.options.max_batch_size \
                 and (generation_config.output_scores or generation_config.output_logits):
-            reason = f"output_scores/output_logits with more rows ({input_ids.shape[0]}) than max_batch_size"
+            reason = f"output_scores/output_logits with more rows ({rows}) than max_batch_size"
+        prompt = None
+        if reason is None:
+            prompt = self._plan_prompt(input_ids, generation_config, model_kwargs)
+            if isinstance(prompt, str):
+                reason, prompt = prompt, None
+        max_new = int(generation_config.max_length) - input_ids.shape[1]
+        if reason is None and self.options.max_seq_len is not None \
+                and prompt.kv_width + max_new > self.options.max_seq_len:
+            reason = (f"a call needing {prompt.kv_width + max_new} positions ({prompt.kv_width} prompt + {max_new} "
+                      f"new tokens) with max_seq_len={self.options.max_seq_len} (raise max_seq_len, or leave it "
+                      "None to grow the static cache on demand)")
+            once_key = "max_seq_len"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 
-            self._record_fallback(reason)
+            self._record_fallback(reason, once_key)
             return GenerationMixin._sample(self.model, input_ids, logits_processor=logits_processor,
                                            stopping_criteria=stopping_criteria, generation_config=generation_config,
                                            synced_gpus=False, streamer=streamer, **model_kwargs)
@@ -142,51 +232,103 @@ class GraphDecoder:
             pad=generation_config._pad_token_tensor,
             do_sample=bool(generation_config.do_sample),
             max_length=int(generation_config.max_length),
+            max_new=max_new,
             keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
             keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+            prompt=prompt,
+            stats=DecodeStats(batch_size=rows),
         )
         if has_eos and call.pad is None:
             raise ValueError("EOS stopping needs a pad_token_id for finished rows; pass pad_token_id=... to generate()")
-        sequences = self._decode_in_chunks(input_ids, attention_mask, model_kwargs.get("position_ids"), call)
+        sequences = self._decode_in_chunks(input_ids, call)
+        self.stats = call.stats
         if streamer is not None:
             streamer.end()
         if not generation_config.return_dict_in_generate:
             return sequences
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(call.scores) if call.keep_scores else None,
-            logits=tuple(call.raw_logits) if call.keep_logits else None,
-            past_key_values=None,  # the static cache stays moegraph's; it is not an HF Cache
-        )
+        return GenerateDecoderOnlyOutput(**{
+            "sequences": sequences,
+            "scores": tuple(call.scores) if call.keep_scores else None,
+            "logits": tuple(call.raw_logits) if call.keep_logits else None,
+            hf_cache.output_cache_field(): prompt.cache,
+        })
+
+    def _plan_prompt(self, input_ids, generation_config, model_kwargs) -> _Prompt | str:
+        """Read the call's prompt and cache as transformers prepared them; a str is a reason to fall back."""
+        rows = input_ids.shape[0]
+        name = hf_cache.cache_argument(model_kwargs) or hf_cache.forward_cache_argument(self.model)
+        cache = model_kwargs.get(name)
+        past = 0
+        if cache is not None:
+            past = hf_cache.past_length(cache)
+            if past and hf_cache.rows_of(cache) != rows:
+                return f"a cache of {hf_cache.rows_of(cache)} rows for {rows} input rows"
+        embeds = model_kwargs.get("inputs_embeds")
+        mask = model_kwargs.get("attention_mask")
+        width = embeds.shape[1] if embeds is not None else input_ids.shape[1]
+        next_sequence_length = None
+        if past:  # as transformers' _prefill: run only what the cache does not hold yet
+            if embeds is not None:
+                next_sequence_length = width - past
+            else:
+                mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+                if mask_length == input_ids.shape[1]:
+                    next_sequence_length = input_ids.shape[1] - past
+            if next_sequence_length is not None and next_sequence_length <= 0:
+                return f"an input of {width} positions that a cache of {past} already holds (nothing to prefill)"
+        kv_width = past + (width if next_sequence_length is None else next_sequence_length)
+        max_new = int(generation_config.max_length) - input_ids.shape[1]
+        room = hf_cache.capacity(cache) if cache is not None else None
+        if room is not None and kv_width + max_new - 1 > room:
+            return f"a static cache of {room} positions for {kv_width + max_new - 1}"
+        position_ids = model_kwargs.get("position_ids")
+        reason = support.check_prompt(mask, position_ids, rows, kv_width)
+        if reason is not None:
+            return reason
+        if position_ids is not None:  # transformers' decode step i runs at position_ids[:, -1] + 1 + i
+            rope_start = (position_ids[:, -1].to(torch.long) + 1).expand(rows).contiguous()
+        else:
+            rope_start = (mask.sum(1) if mask is not None
+                          else torch.full((rows,), kv_width, dtype=torch.long, device=input_ids.device))
+        user_cache = bool(getattr(cache, "_is_user_defined", False))
+        return _Prompt(
+            model_kwargs={k: v for k, v in model_kwargs.items() if k not in hf_cache.CACHE_ARGUMENTS},
+            cache_name=name, cache=cache,
+            keep_cache=cache is not None and (bool(generation_config.return_dict_in_generate) or user_cache),
+            past=past, next_sequence_length=next_sequence_length, kv_width=kv_width,
+            rope_start=rope_start.to(input_ids.device, torch.long))
 
     # ----- the loop ---------------------------------------------------------------------------
-    def _decode_in_chunks(self, input_ids, attention_mask, position_ids, call: _Call) -> torch.Tensor:
+    def _decode_in_chunks(self, input_ids, call: _Call) -> torch.Tensor:
         """Batches above max_batch_size are decoded in chunks of max_batch_size rows, then joined."""
         rows = input_ids.shape[0]
         step = self.options.max_batch_size
-        if rows <= step:
-            return self._decode_rows(input_ids, attention_mask, position_ids, call)
-        logger.info("moegraph: batch of %d rows is decoded in chunks of max_batch_size=%d", rows, step)
-        chunks = []
-        for start in range(0, rows, step):
-            part = slice(start, start + step)
-            chunks.append(self._decode_rows(input_ids[part], None if attention_mask is None else attention_mask[part],
-                                            None if position_ids is None else position_ids[part], call))
-        width = max(c.shape[1] for c in chunks)
+        parts = [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+        if len(parts) > 1:
+            logger.info("moegraph: batch of %d rows is decoded in chunks of max_batch_size=%d", rows, step)
+        done = [self._decode_rows(input_ids, part, call, whole_batch=len(parts) == 1) for part in parts]
+        width = max(d.tokens.shape[1] for d in done)
         fill = int(call.pad) if call.pad is not None else 0
         # a chunk that stopped early has only finished rows: transformers pads those rows, as here
-        return torch.cat([nn.functional.pad(c, (0, width - c.shape[1]), value=fill) for c in chunks])
+        sequences = torch.cat([nn.functional.pad(d.tokens, (0, width - d.tokens.shape[1]), value=fill) for d in done])
+        if call.prompt.keep_cache and len(parts) > 1:
+            self._join_chunk_caches(call, done, parts, sequences, input_ids.shape[1])
+        return sequences
 
     @torch.no_grad()
-    def _decode_rows(self, input_ids, attention_mask, position_ids, call: _Call) -> torch.Tensor:
+    def _decode_rows(self, all_input_ids, part: slice, call: _Call, whole_batch: bool) -> _Rows:
+        prompt = call.prompt
+        input_ids = all_input_ids[part]
         rows, prompt_len = input_ids.shape
         device = input_ids.device
-        max_new = call.max_length - prompt_len
+        max_new = call.max_new
+        stats = call.stats
         use_graphs = self.graphs_enabled()
+        graphs_before = (self.graphs, self.graphs.capture_seconds if self.graphs is not None else 0.0)
         try:
-            self._ensure_capacity(rows, call.max_length, use_graphs)
+            self._ensure_capacity(rows, prompt.kv_width + max_new, use_graphs)
         except Exception as exc:  # a failed capture must not lose the output: decode eagerly instead
             if not use_graphs:
                 raise
@@ -195,20 +337,37 @@ class GraphDecoder:
             if self.graphs is not None:
                 self.graphs.release()
             use_graphs = False
-            self._ensure_capacity(rows, call.max_length, use_graphs)
-        stats = DecodeStats(graphs=use_graphs, batch_size=rows,
-                            capture_seconds=self.graphs.capture_seconds if self.graphs else 0.0)
+            self._ensure_capacity(rows, prompt.kv_width + max_new, use_graphs)
+        stats.graphs = stats.graphs or use_graphs
+        stats.chunks += 1
+        if use_graphs:
+            same = self.graphs is graphs_before[0]
+            stats.capture_seconds += self.graphs.capture_seconds - (graphs_before[1] if same else 0.0)
 
         start = time.perf_counter()
-        lengths = (attention_mask.sum(1) if attention_mask is not None
-                   else torch.full((rows,), prompt_len, device=device, dtype=torch.long))
-        logits = self._prefill(input_ids, attention_mask, position_ids, lengths)
+        kwargs = prompt.rows_kwargs(part, all_input_ids.shape[0])
+        rope_start = prompt.rope_start[part]
+        mask = kwargs.get("attention_mask")
+        if not prompt.keep_cache:  # the prompt's K/V live only until they are in the static cache
+            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+        elif whole_batch:
+            prefill_cache = prompt.cache  # transformers' (or the user's) cache: it ends up holding the call
+        else:
+            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+        logits = self._prefill(input_ids, kwargs, prefill_cache, prompt)
+        order, lengths = compaction_order(mask)
+        if lengths is None:
+            lengths = torch.full((rows,), prompt.kv_width, dtype=torch.long, device=device)
+        self.cache.load_prefill(hf_cache.layers_kv(prefill_cache, prompt.kv_width), order)
+        if not prompt.keep_cache:
+            prefill_cache = None
+        self.inputs.clear()  # padding rows of a bucket read token 0 at position 0 of their own rows
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        stats.prefill_seconds = time.perf_counter() - start
+        stats.prefill_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
-        tokens = torch.full((rows, call.max_length), int(call.pad) if call.pad is not None else 0,
+        tokens = torch.full((rows, prompt_len + max_new), int(call.pad) if call.pad is not None else 0,
                             dtype=torch.long, device=device)
         tokens[:, :prompt_len] = input_ids
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
@@ -227,6 +386,7 @@ class GraphDecoder:
             if not last:
                 self.inputs.token_ids[:rows].copy_(next_tokens)
                 torch.add(lengths, step, out=self.inputs.positions[:rows])
+                torch.add(rope_start, step, out=self.inputs.rope_positions[:rows])
                 logits = self._step(rows, use_graphs)
             stats.host_seconds += time.perf_counter() - issued
             if call.streamer is not None:
@@ -238,16 +398,17 @@ class GraphDecoder:
             finished_at = (~alive[:produced]).nonzero()
             if finished_at.numel():
                 produced = int(finished_at[0, 0]) + 1
+        if prefill_cache is not None:  # the generated tokens' K/V, but the last token's: it was never run
+            hf_cache.append_kv(prefill_cache, self.cache.read(lengths, produced - 1))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        stats.decode_seconds = time.perf_counter() - start
-        stats.steps = step + 1
-        self.stats = stats
+        stats.decode_seconds += time.perf_counter() - start
+        stats.steps += step + 1
         if call.keep_scores:
             del call.scores[len(call.scores) - (step + 1 - produced):]
         if call.keep_logits:
             del call.raw_logits[len(call.raw_logits) - (step + 1 - produced):]
-        return tokens[:, :prompt_len + produced]
+        return _Rows(tokens[:, :prompt_len + produced], produced, prefill_cache, mask, rope_start)
 
     def _select(self, call: _Call, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if call.keep_logits:
@@ -259,16 +420,38 @@ class GraphDecoder:
             return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return torch.argmax(scores, dim=-1)
 
-    def _prefill(self, input_ids, attention_mask, position_ids, lengths) -> torch.Tensor:
-        """The model's own forward over the prompt; its K/V land compacted in the static cache."""
-        from transformers import DynamicCache
+    def _prefill(self, input_ids, kwargs: dict, cache, prompt: _Prompt) -> torch.Tensor:
+        """transformers' own prefill of the uncached input into `cache`; returns the last logits [n, V] float32."""
+        kwargs = dict(kwargs, use_cache=True)
+        kwargs[prompt.cache_name] = cache
+        inputs = self.model.prepare_inputs_for_generation(
+            input_ids, next_sequence_length=prompt.next_sequence_length, is_first_iteration=True, **kwargs)
+        out = self.model(**inputs, return_dict=True)
+        return out.logits[:, -1].to(dtype=torch.float32, copy=True)
 
-        prompt_cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
-        self.cache.load_prefill([(layer.keys, layer.values) for layer in prompt_cache.layers], lengths)
-        self.inputs.clear()  # padding rows of a bucket read token 0 at position 0 of their own rows
-        return out.logits[:, -1].float()
+    def _join_chunk_caches(self, call: _Call, done: list[_Rows], parts: list[slice], sequences, input_len: int):
+        """One Cache for a batch decoded in chunks, holding what transformers' single loop would leave.
+
+        transformers runs every row until the whole batch stops, so rows of a chunk that stopped
+        earlier are also run on their padding tokens: their K/V are computed here, by transformers'
+        forward, for the steps the chunk did not run."""
+        prompt = call.prompt
+        produced = max(d.produced for d in done)
+        for d, part in zip(done, parts):
+            missing = produced - d.produced
+            if missing == 0:
+                continue
+            run = sequences[part, input_len + d.produced - 1:input_len + produced - 1]  # [n, missing]
+            first = d.produced - 1
+            kwargs = {"use_cache": True, "logits_to_keep": 1, prompt.cache_name: d.cache,
+                      "position_ids": d.rope_start[:, None] + first + torch.arange(missing, device=run.device)}
+            if d.attention_mask is not None:
+                kwargs["attention_mask"] = nn.functional.pad(d.attention_mask, (0, first + missing), value=1)
+            self.model(input_ids=run, **kwargs)
+        joined = [(torch.cat([d.cache.layers[i].keys[:, :, prompt.past:] for d in done]),
+                   torch.cat([d.cache.layers[i].values[:, :, prompt.past:] for d in done]))
+                  for i in range(len(done[0].cache.layers))]
+        hf_cache.append_kv(prompt.cache, joined)
 
     def _step(self, rows: int, use_graphs: bool) -> torch.Tensor:
         if use_graphs:
@@ -277,22 +460,34 @@ class GraphDecoder:
 
     def _forward(self, rows: int) -> torch.Tensor:
         return decode_forward(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
-                              self.ops)
+                              self.ops, self.inputs.rope_positions[:rows])
 
     # ----- static cache and graphs ------------------------------------------------------------
-    def _ensure_capacity(self, rows: int, max_length: int, use_graphs: bool | None = None) -> None:
-        """Grow the static cache (re-capturing graphs) when a call needs more rows or positions."""
+    def _ensure_capacity(self, rows: int, positions: int, use_graphs: bool | None = None) -> None:
+        """Grow the static cache (re-capturing graphs) when a call needs more rows or positions.
+
+        Also where replaced weights are noticed: graphs read the storage they were captured with, so
+        a parameter replaced since then (new storage) means rebuilding the cache and graphs."""
         if use_graphs is None:
             use_graphs = self.graphs_enabled()
+        if self.cache is not None and weights_signature(self._weight_slots) != self._weights:
+            captured = self.graphs is not None and bool(self.graphs.graphs)
+            logger.info("moegraph: parameters of the model were replaced since %s (load_state_dict(assign=True), "
+                        ".to(), a new nn.Parameter or module); %s",
+                        "the decode graphs were captured" if captured else "the static KV cache was allocated",
+                        "re-capturing them" if use_graphs else "allocating the static KV cache again")
+            rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
+            self.release()
         need_rows = bucket_for(rows, self.buckets)
-        need_positions = max(round_up(max_length, SEQ_ALIGN), self.options.max_seq_len or 0)
+        need_positions = self.options.max_seq_len or round_up(positions, SEQ_ALIGN)
         cache = self.cache
         if cache is None or cache.rows < need_rows or cache.positions < need_positions:
             new_rows = max(need_rows, cache.rows if cache else 0)
             new_positions = max(need_positions, cache.positions if cache else 0)
             if cache is not None:
-                logger.info("moegraph: growing the static KV cache from %dx%d to %dx%d (rows x positions) "
-                            "and re-capturing the decode graphs", cache.rows, cache.positions, new_rows, new_positions)
+                logger.info("moegraph: growing the static KV cache from %dx%d to %dx%d (rows x positions)%s",
+                            cache.rows, cache.positions, new_rows, new_positions,
+                            " and re-capturing the decode graphs" if use_graphs else "")
             self.release()
             self._allocate(new_rows, new_positions)
         if use_graphs:
@@ -312,6 +507,8 @@ class GraphDecoder:
         self.inputs = StaticInputs.allocate(rows, device)
         self.ops = ops_for_model(self.model, self.options.moe_backend)
         self.graphs = BucketGraphs(step=self._forward)
+        self._weight_slots = weight_slots(self.model)
+        self._weights = weights_signature(self._weight_slots)
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)
 
@@ -319,4 +516,3 @@ class GraphDecoder:
         if message not in self._warned:
             self._warned.add(message)
             logger.warning(message)
-

@@ -41,16 +41,38 @@ class StaticInputs:
     """Inputs every graph reads, allocated once at the largest bucket; a bucket uses a prefix."""
 
     token_ids: torch.Tensor  # [rows] int64
-    positions: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64: where the token's K/V go in the row's compact cache
+    rope_positions: torch.Tensor  # [rows] int64: the position id RoPE rotates by, as transformers counts it
 
     @classmethod
     def allocate(cls, rows: int, device: torch.device) -> "StaticInputs":
-        return cls(torch.zeros(rows, dtype=torch.long, device=device),
-                   torch.zeros(rows, dtype=torch.long, device=device))
+        return cls(*(torch.zeros(rows, dtype=torch.long, device=device) for _ in range(3)))
 
     def clear(self) -> None:
         self.token_ids.zero_()
         self.positions.zero_()
+        self.rope_positions.zero_()
+
+
+def weight_slots(model: torch.nn.Module) -> list[tuple[dict, str, bool]]:
+    """Where the decode step finds every parameter, buffer and submodule: (dict, key, is_tensor), collected once.
+
+    Reading the live entries through these dicts sees a replaced nn.Parameter (load_state_dict(...,
+    assign=True), `module.weight = ...`), new storage behind the same Parameter (`model.to(...)`)
+    and a replaced submodule; an in-place update (`param.data.copy_()`, an optimizer step) changes nothing.
+    """
+    slots = []
+    for module in model.modules():
+        slots += [(module._parameters, name, True) for name, p in module._parameters.items() if p is not None]
+        slots += [(module._buffers, name, True) for name, b in module._buffers.items() if b is not None]
+        slots += [(module._modules, name, False) for name, m in module._modules.items() if m is not None]
+    return slots
+
+
+def weights_signature(slots: list[tuple[dict, str, bool]]) -> tuple[int, ...]:
+    """Storage pointers of the tensors (and ids of the submodules) that the captured graphs read."""
+    return tuple(0 if (value := owner.get(name)) is None else value.data_ptr() if is_tensor else id(value)
+                 for owner, name, is_tensor in slots)
 
 
 @dataclass

@@ -45,18 +45,36 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def load_prefill(self, layers_kv, lengths: torch.Tensor, row_offset: int = 0) -> None:
-        """Copy a left-padded prefill cache into rows [row_offset, row_offset + n), compacted to start at 0.
+    def load_prefill(self, layers_kv, order: torch.Tensor | None, row_offset: int = 0) -> None:
+        """Copy a prefill cache into rows [row_offset, row_offset + n), compacted to start at position 0.
 
-        layers_kv: per layer (keys, values), each [n, kv_heads, T, head_dim], row r holding its
-        lengths[r] real tokens in the last lengths[r] columns. Positions at or past a row's
-        length receive copies of its last token; attention never reads them (they are masked
-        until decode overwrites them).
+        layers_kv: per layer (keys, values), each [n, kv_heads, T, head_dim], as transformers' cache
+        holds them (padding columns anywhere: left, right, or in between). order [n, T]: per row the
+        columns of its real tokens first, in order, then its padding columns (None: no padding).
+        Positions at or past a row's length receive padding columns; attention never reads them
+        (they are masked until decode overwrites them).
         """
         n, _, width, _ = layers_kv[0][0].shape
-        pad = (width - lengths).to(torch.long)  # [n]
-        src = (pad[:, None] + torch.arange(width, device=lengths.device)).clamp_(max=width - 1)  # [n, T]
+        index = None if order is None else order[:, None, :, None]
         for layer, (k, v) in enumerate(layers_kv):
-            index = src[:, None, :, None].expand_as(k)
-            self.keys[layer][row_offset:row_offset + n, :, :width].copy_(k.gather(2, index))
-            self.values[layer][row_offset:row_offset + n, :, :width].copy_(v.gather(2, index))
+            if index is not None:
+                k, v = k.gather(2, index.expand_as(k)), v.gather(2, index.expand_as(v))
+            self.keys[layer][row_offset:row_offset + n, :, :width].copy_(k)
+            self.values[layer][row_offset:row_offset + n, :, :width].copy_(v)
+
+    def read(self, start: torch.Tensor, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [n, kv_heads, count, head_dim] of positions start[r] .. start[r] + count - 1."""
+        rows = start.shape[0]
+        index = start[:, None] + torch.arange(count, device=start.device)  # [n, count]
+        index = index[:, None, :, None].expand(rows, self.keys[0].shape[1], count, self.keys[0].shape[3])
+        return [(k[:rows].gather(2, index), v[:rows].gather(2, index)) for k, v in zip(self.keys, self.values)]
+
+
+def compaction_order(attention_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(order [n, T], lengths [n]) for StaticKVCache.load_prefill from a 2D 0/1 mask; (None, None) without one."""
+    if attention_mask is None:
+        return None, None
+    real = attention_mask != 0
+    # a stable sort of "is padding" puts each row's real columns first, in their order
+    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices
+    return order, real.sum(1)

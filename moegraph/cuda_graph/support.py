@@ -1,11 +1,13 @@
 """Which generate() calls the fast decoder takes, and why the others go to transformers unchanged.
 
-Each check returns None (supported) or a short reason, logged once per call on fallback.
+Each check returns None (supported) or a short reason; the decoder logs a reason once per model (WARNING).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .hf_cache import CACHE_ARGUMENTS, unsupported_cache
 
 # generate() parameters that select machinery the fast path does not implement.
 _UNSUPPORTED_ARGUMENTS = {
@@ -16,12 +18,12 @@ _UNSUPPORTED_ARGUMENTS = {
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
     "negative_prompt_ids": "negative prompts",
     "negative_prompt_attention_mask": "negative prompts",
-    "inputs_embeds": "inputs_embeds",
-    "past_key_values": "a user-supplied cache",
 }
 _GENERATE_PARAMETERS = {"inputs", "input_ids", "generation_config", "synced_gpus", "streamer", "tokenizer",
                         "trust_remote_code"} | set(_UNSUPPORTED_ARGUMENTS)
-_MODEL_KWARGS = {"attention_mask", "input_ids", "use_cache"}
+_MODEL_KWARGS = {"attention_mask", "input_ids", "use_cache", "inputs_embeds", "position_ids", "logits_to_keep",
+                 *CACHE_ARGUMENTS}
+_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 # Processors that are pure functions of (input_ids, scores) for one step; any other goes to HF.
 SUPPORTED_PROCESSORS = {
@@ -45,8 +47,19 @@ def check_call(model, args: tuple, kwargs: dict) -> str | None:
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        return "inputs other than a 2D int64 tensor of token ids"
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 3):
+        return "inputs_embeds other than a [batch, length, hidden] tensor"
+    if (input_ids is not None or embeds is None) and (
+            not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+            or input_ids.dtype not in (torch.long, torch.int32)):
+        return "inputs other than a 2D int64 or int32 tensor of token ids"
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2):
+        return "position_ids other than a 2D tensor"
+    cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    if cache is not None and (reason := unsupported_cache(cache)) is not None:
+        return reason
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         return f"a model spread over several devices ({sorted(map(str, devices))})"
@@ -76,20 +89,33 @@ def _check_generation_config(model, args, kwargs) -> str | None:
     for field in ("stop_strings", "max_time", "prefill_chunk_size"):
         if getattr(config, field, None) is not None:
             return field
-    if getattr(config, "cache_implementation", None) not in (None, "dynamic"):
+    if getattr(config, "cache_implementation", None) not in _CACHE_IMPLEMENTATIONS:
         return f"cache_implementation={config.cache_implementation!r}"
     return None
 
 
-def check_prepared(logits_processor, stopping_criteria, attention_mask) -> str | None:
-    """Checks on what transformers prepared: processors, stopping criteria, padding side."""
+def check_prepared(logits_processor, stopping_criteria) -> str | None:
+    """Checks on what transformers prepared: processors and stopping criteria."""
     for processor in logits_processor:
         if type(processor).__name__ not in SUPPORTED_PROCESSORS:
             return f"logits processor {type(processor).__name__}"
     for criterion in stopping_criteria:
         if type(criterion).__name__ not in SUPPORTED_CRITERIA:
             return f"stopping criterion {type(criterion).__name__}"
-    if attention_mask is not None and attention_mask.shape[1] > 1:
-        if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
-            return "an attention_mask that is not left-padded (set tokenizer.padding_side='left')"
+    return None
+
+
+def check_prompt(attention_mask, position_ids, rows: int, kv_width: int) -> str | None:
+    """Checks on the prompt the prefill will see: kv_width = cached positions + uncached input."""
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != (rows, kv_width):
+            return (f"an attention_mask of shape {tuple(attention_mask.shape)} for {rows} rows of {kv_width} "
+                    "positions (cache + input)")
+        # one host sync per call
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            return "an attention_mask with values other than 0 and 1"
+        if bool((attention_mask.sum(1) == 0).any()):
+            return "an attention_mask with a row of padding only"
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, rows)):
+        return f"position_ids of shape {tuple(position_ids.shape)} for {rows} rows"
     return None

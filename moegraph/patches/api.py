@@ -159,7 +159,7 @@ def patch(model: nn.Module | None = None, **options) -> nn.Module | None:
     Patching twice changes nothing more.
     """
     check_transformers_version()
-    opts = PatchOptions(**options)
+    opts = PatchOptions.from_kwargs(**options)
     if model is None:
         _patch_classes(opts)
         return None
@@ -197,17 +197,19 @@ def _patched_decoder(model: nn.Module, what: str):
     return _decoder_for(model)
 
 
-def capture(model: nn.Module, batch_size: int | None = None, max_length: int = 256) -> None:
+def capture(model: nn.Module, batch_size: int | None = None, max_length: int | None = None) -> None:
     """Allocate the static KV cache and capture the decode graphs now, instead of in the first generate().
 
     batch_size: the largest batch to prepare for (default: max_batch_size); max_length: prompt +
-    new tokens to prepare for. Later calls that need more grow the cache and re-capture.
+    new tokens to prepare for (default: max_seq_len, else 256). Later calls that need more grow the
+    cache and re-capture. On the CPU (or with cuda_graphs=False) it allocates the cache only, and says so.
     """
     _patched_decoder(model, "capture").capture(batch_size, max_length)
 
 
 def decode_stats(model: nn.Module):
-    """What the last generate() of a patched model did (graphs or eager, prefill/decode times, host ms per step)."""
+    """What the last generate() of a patched model did, over the whole call: graphs or eager, rows, chunks,
+    steps, prefill/decode/capture seconds, host ms per step, or why it fell back (reset on every call)."""
     return _patched_decoder(model, "decode_stats").stats
 
 
