@@ -12,6 +12,13 @@ from .errors import (
 from .moe.select import select_moe_backend
 from .patches.api import capture, decode_stats, is_patched, patch, unpatch
 
+
+def quantize_experts(model, *, double_quant: bool = False):
+    """In place: the model's fused experts become NF4 (bitsandbytes' layout), layer by layer; returns the model."""
+    from .quant import quantize_experts as _quantize_experts
+
+    return _quantize_experts(model, double_quant=double_quant)
+
 __version__ = "0.1.0"
 
 logging.getLogger("moegraph").addHandler(logging.NullHandler())
@@ -27,6 +34,7 @@ __all__ = [
     "decode_stats",
     "is_patched",
     "patch",
+    "quantize_experts",
     "select_moe_backend",
     "unpatch",
 ]
