@@ -152,81 +152,103 @@ def _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, bloc
 
 
 @triton.jit
-def _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, rows, row_mask, k0,
-                 K, row_bytes, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
-    """(W[rows, k0 + 2j], W[rows, k0 + 2j + 1]) for j < BLOCK_K // 2: two [BLOCK_N, BLOCK_K // 2] tiles in DTYPE."""
+def _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, table, rows, row_mask,
+                 kb, row_bytes, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+    """(W[rows, 2(kb + j)], W[rows, 2(kb + j) + 1]) for j < BLOCK_K // 2: two [BLOCK_N, BLOCK_K // 2] tiles in DTYPE.
+
+    kb is a byte offset in the rows (a multiple of 16 wherever it can be), so the [BLOCK_N, BLOCK_K // 2] byte
+    tile loads as 16-byte vectors; the code gather and absmax product keep that layout (no shuffle of the tile).
+    """
     HALF: tl.constexpr = BLOCK_K // 2
+    byte = kb + tl.arange(0, HALF)
+    mask = row_mask[:, None] & (byte < row_bytes)[None, :]
+    packed = tl.load(w_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0)
     if ALIGNED:
-        # K % 64 == 0: the tile is [BLOCK_N, G, 32] bytes, one absmax per (row, g), broadcast over its 32 bytes
+        # K % 64 == 0: a row holds whole 64-blocks (32 bytes): one absmax per (row, 32 bytes), broadcast
         G: tl.constexpr = BLOCK_K // 64
-        g = tl.arange(0, G)
-        byte = k0 // 2 + g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
-        mask = row_mask[:, None, None] & (byte < row_bytes)[None, :, :]
-        packed = tl.load(w_ptr + rows[:, None, None] * row_bytes + byte[None, :, :], mask=mask, other=0)
-        group = k0 // 64 + g
-        block = rows[:, None] * (K // 64) + group[None, :]  # [BLOCK_N, G]
-        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, block,
-                             row_mask[:, None] & (group < K // 64)[None, :], NESTED, EXACT_MUL)[:, :, None]
+        group = kb // 32 + tl.arange(0, G)
+        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                             rows[:, None] * (row_bytes // 32) + group[None, :],
+                             row_mask[:, None] & (group < row_bytes // 32)[None, :], NESTED, EXACT_MUL)  # [BLOCK_N, G]
+        absmax = tl.reshape(tl.broadcast_to(absmax[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, HALF])
     else:
         # a 64-block may span rows: its index per byte (both nibbles of a byte share a block: 64 is even)
-        byte = k0 // 2 + tl.arange(0, HALF)
-        mask = row_mask[:, None] & (byte < row_bytes)[None, :]
-        packed = tl.load(w_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0)
-        block = (rows[:, None] * K + 2 * byte[None, :]) // 64
-        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, block, mask, NESTED,
-                             EXACT_MUL)
-    # 16-entry gather: the 64-byte table stays in one L1 line, one load per value; a select tree is ~15 ops
-    even = (tl.load(code_ptr + (packed >> 4).to(tl.int32)) * absmax).to(DTYPE)
-    odd = (tl.load(code_ptr + (packed & 0xF).to(tl.int32)) * absmax).to(DTYPE)
-    return tl.reshape(even, [BLOCK_N, HALF]), tl.reshape(odd, [BLOCK_N, HALF])
+        absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                             (rows[:, None] * row_bytes + byte[None, :]) // 32, mask, NESTED, EXACT_MUL)
+    if LOOKUP == 0:  # global gather from the 64-byte table (one L1 line): a 64-bit address per value
+        code_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
+        code_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+    elif LOOKUP == 1:  # the 16 values in shared memory (tl.gather): a 32-bit address, no bank conflict
+        code_even = tl.reshape(tl.gather(table, tl.reshape((packed >> 4).to(tl.int32), [BLOCK_N * HALF]), 0),
+                               [BLOCK_N, HALF])
+        code_odd = tl.reshape(tl.gather(table, tl.reshape((packed & 0xF).to(tl.int32), [BLOCK_N * HALF]), 0),
+                              [BLOCK_N, HALF])
+    else:  # 256 (even, odd) pairs in shared memory, indexed by the whole byte: one 8-byte load per byte
+        pair = tl.reshape(tl.gather(table, tl.reshape(packed.to(tl.int32), [BLOCK_N * HALF]), 0), [BLOCK_N, HALF])
+        code_even = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        code_odd = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    return (code_even * absmax).to(DTYPE), (code_odd * absmax).to(DTYPE)
+
+
+@triton.jit
+def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
+    """The lookup table of LOOKUP 1 (code [16] fp32) or 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15] low)."""
+    if LOOKUP == 2:
+        b = tl.arange(0, 256)
+        high = tl.load(code_ptr + (b >> 4)).to(tl.uint32, bitcast=True).to(tl.uint64)
+        low = tl.load(code_ptr + (b & 0xF)).to(tl.uint32, bitcast=True).to(tl.uint64)
+        table = (high << 32) | low
+    else:
+        table = tl.load(code_ptr + tl.arange(0, 16))
+    return table
 
 
 @triton.jit
 def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
-                rows, row_mask, k_start, k_end, K, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                rows, row_mask, kb_start, kb_end, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_M] = W[rows, k_start:k_end] @ x[x_rows, k_start:k_end]^T, x [*, K] row-major.
+                ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+    """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32; x [*, K = 2 row_bytes] row-major.
 
-    USE_DOT: tensor cores with the weight tile as the left operand (the wide side; x pads to BLOCK_M >= 16).
-    Otherwise BLOCK_M == 1: a multiply-add per weight into a [BLOCK_N, BLOCK_K // 2] accumulator, summed
-    once after the loop.
+    USE_DOT: [BLOCK_N, BLOCK_M], tensor cores with the weight tile as the left operand (the wide side; x pads to
+    BLOCK_M >= 16 rows, x_rows [BLOCK_M] with x_mask). Otherwise [BLOCK_N] for the one row x_rows (a scalar):
+    a multiply-add per weight into a [BLOCK_N, BLOCK_K // 2] accumulator, summed once after the loop.
     """
     HALF: tl.constexpr = BLOCK_K // 2
-    j = tl.arange(0, HALF)
+    K = 2 * row_bytes
+    table = _nf4_table(code_ptr, LOOKUP)
     if USE_DOT:
         tl.static_assert(BLOCK_M >= 16, "tl.dot needs BLOCK_M >= 16")
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        x_base = x_ptr + x_rows.to(tl.int64)[:, None] * K  # [BLOCK_M, 1]
     else:
-        tl.static_assert(BLOCK_M == 1, "the multiply-add path takes one row of x")
         acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        even, odd = _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, rows,
-                                 row_mask, k0, K, row_bytes, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL)
-        k_even = k0 + 2 * j
-        k_mask = k_even < K
+        x_base = x_ptr + x_rows.to(tl.int64) * K
+    for kb in range(kb_start, kb_end, HALF):
+        even, odd = _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, table,
+                                 rows, row_mask, kb, row_bytes, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL,
+                                 LOOKUP)
         if USE_DOT:
-            x_offs = x_rows[None, :] * K + k_even[:, None]  # [HALF, BLOCK_M]: x^T, even columns
-            x_tile_mask = x_mask[None, :] & k_mask[:, None]
-            x_even = tl.load(x_ptr + x_offs, mask=x_tile_mask, other=0.0)
-            x_odd = tl.load(x_ptr + x_offs + 1, mask=x_tile_mask, other=0.0)
+            k = 2 * kb + tl.arange(0, BLOCK_K)
+            x = tl.load(x_base + k[None, :], mask=x_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
             if DOT_FP32:
                 # fp32 operands: fp32 data (ieee, no tf32 rounding), or the CPU interpreter (bf16 dots are wrong there)
-                acc = tl.dot(even.to(tl.float32), x_even.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(odd.to(tl.float32), x_odd.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(even.to(tl.float32), tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(odd.to(tl.float32), tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc = tl.dot(even, x_even.to(DTYPE), acc)
-                acc = tl.dot(odd, x_odd.to(DTYPE), acc)
+                acc = tl.dot(even, tl.trans(x_even.to(DTYPE)), acc)
+                acc = tl.dot(odd, tl.trans(x_odd.to(DTYPE)), acc)
         else:
-            x_offs = x_rows[:, None] * K + k_even[None, :]  # [1, HALF]
-            x_tile_mask = x_mask[:, None] & k_mask[None, :]
-            x_even = tl.load(x_ptr + x_offs, mask=x_tile_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + x_offs + 1, mask=x_tile_mask, other=0.0).to(tl.float32)
-            acc += even.to(tl.float32) * x_even  # two statements: two fma, not mul + fma + add
-            acc += odd.to(tl.float32) * x_odd
+            # 1-D strided x loads (L1 hits): a 2-D x tile would pull the weight tile into its layout
+            k_even = 2 * (kb + tl.arange(0, HALF))
+            x_even = tl.load(x_base + k_even, mask=k_even < K, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_base + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)
+            acc += even.to(tl.float32) * x_even[None, :]  # two statements: two fma, not mul + fma + add
+            acc += odd.to(tl.float32) * x_odd[None, :]
     if not USE_DOT:
-        acc = tl.sum(acc, axis=1)[:, None]
+        acc = tl.sum(acc, axis=1)
     return acc
 
 

@@ -25,12 +25,13 @@ from ._triton import tl, triton
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
            "nf4_linear_ref"]
 
-BLOCK_N = 32  # output rows per program: N = 512 -> 16 programs before split-K, 4096 -> 128
-BLOCK_K = 256  # columns per step: a [32, 128]-byte tile, two 16-byte loads per thread at 4 warps (unmeasured)
-DOT_MIN_M = 2  # tensor cores from 2 rows; at M = 1 the multiply-add path avoids padding x to 16 rows (unmeasured)
+# Instruction counts below: sm_90 SASS of one loop step, compiled on the CPU (Triton 3.9); no GPU timing yet.
+BLOCK_N = 64  # output rows per program: 16 rows per warp of the tensor-core tile, no tile duplicated across warps
+BLOCK_K = 256  # columns per step: a [64, 128]-byte tile, 64 bytes per thread, cp.async-pipelined under tl.dot
+DOT_MIN_M = 1  # tensor cores from 1 row: ~5 SASS instructions per weight against ~7 for the multiply-add path
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
 TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per H200 SM keep enough loads in flight (unmeasured)
-NUM_WARPS = 4  # one warpgroup per program
+LOOKUP = 2  # code table in shared memory as 256 byte -> (even, odd) pairs: 5.3 instr/weight vs 7.7 (16 values), 9.2 (L1)
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 
@@ -42,31 +43,44 @@ class NF4LinearConfig:
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None  # None: M >= DOT_MIN_M
     split_k: Optional[int] = None  # None: enough programs for TARGET_PROGRAMS
-    num_warps: int = NUM_WARPS
+    num_warps: Optional[int] = None  # None: block_n // 16 (at least 2), one warp per 16 rows
     num_stages: Optional[int] = None  # None: Triton's default
+    lookup: int = LOOKUP
 
 
 @triton.jit
 def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, bias_ptr,
-                       out_ptr, M, N, K, row_bytes, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       out_ptr, M, N, row_bytes, bytes_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
-                       NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                       NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       LOOKUP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
     row_mask = rows < N
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    k_start = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    kb_start = tl.program_id(2) * bytes_per_split  # K is split in bytes of the weight rows
+    kb_end = tl.minimum(kb_start + bytes_per_split, row_bytes)
+    if USE_DOT:
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = m < M
+    else:
+        m = tl.program_id(1)  # one row of x per program
+        m_mask = m < M
     acc = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
-                      rows, row_mask, k_start, k_end, K, row_bytes, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                      USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
-    offs = m[None, :] * N + rows[:, None]
-    mask = row_mask[:, None] & m_mask[None, :]
+                      rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
+                      USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+    if USE_DOT:
+        offs = m[None, :] * N + rows[:, None]
+        mask = row_mask[:, None] & m_mask[None, :]
+    else:
+        offs = m * N + rows
+        mask = row_mask
     if SPLIT:
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            if USE_DOT:
+                bias = bias[:, None]
+            acc += bias
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -116,14 +130,15 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
     partial = torch.empty(split_k, rows_m, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
-    launch = {"num_warps": cfg.num_warps}
+    launch = {"num_warps": cfg.num_warps or max(2, cfg.block_n // 16)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
     _nf4_linear_kernel[(grid_n, grid_m, split_k)](
-        x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K, K // 2,
-        steps_per_split * cfg.block_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
+        steps_per_split * cfg.block_k // 2, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, **launch)
+        EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, LOOKUP=cfg.lookup,
+        **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)

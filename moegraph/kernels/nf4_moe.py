@@ -28,11 +28,12 @@ from .fused_moe import BLOCK_M, align_blocks
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
            "fused_moe_experts_nf4_ref", "nf4_code"]
 
-GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) rows in 24 tiles: 192 programs at batch 1, as in fused_moe.py
-DOWN_BLOCK_N = 64  # 2048 output rows in 32 tiles: 256 programs at batch 1
-BLOCK_K = 256  # 128 bytes of each weight row per step; 768 = 3 steps (unmeasured)
-DOT_MIN_TOKENS = 2  # batch 1 has one pair per expert: 15 of 16 dot rows would be padding (unmeasured)
-NUM_WARPS = 4  # one warpgroup per program
+# Instruction counts below: sm_90 SASS of one loop step, compiled on the CPU (Triton 3.9); no GPU timing yet.
+GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) rows in 24 tiles (2 warps each): 192 programs at batch 1
+DOWN_BLOCK_N = 64  # 2048 output rows in 32 tiles (4 warps each): 256 programs at batch 1
+BLOCK_K = 256  # 128 bytes of each weight row per step, cp.async-pipelined under tl.dot; 768 = 3 steps
+DOT_MIN_TOKENS = 1  # tensor cores even at batch 1 (15 of 16 rows padding): ~5 instr/weight against ~7
+LOOKUP = 2  # code table in shared memory as 256 byte -> (even, odd) pairs: ~5 instr/weight vs ~7.7 (16 values)
 
 
 @dataclass(frozen=True)
@@ -43,25 +44,37 @@ class NF4MoEConfig:
     down_block_n: int = DOWN_BLOCK_N
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None
-    num_warps: int = NUM_WARPS
+    num_warps: Optional[int] = None  # None: block_n // 16 (at least 2), one warp per 16 rows of the tile
     num_stages: Optional[int] = None  # None: Triton's default
+    lookup: int = LOOKUP
 
 
 @triton.jit
 def _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
-    """(expert, slots [BLOCK_M], tokens [BLOCK_M], valid [BLOCK_M]) of this program; expert < 0: idle."""
+    """(expert, slots, tokens, valid) of this program; expert < 0: idle. [BLOCK_M] each with USE_DOT, else scalars."""
     if USE_DOT:
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block)
         slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
         tokens = tl.load(slot_token_ptr + slots)  # -1: padding slot
+        valid = tokens >= 0
     else:
-        pair = tl.program_id(0) + tl.arange(0, 1)  # [1]
-        expert = tl.load(expert_ptr + tl.program_id(0))
+        pair = tl.program_id(0)
+        expert = tl.load(expert_ptr + pair)
         slots = tl.load(position_ptr + pair)
         tokens = pair // TOP_K
-    return expert, slots, tokens, tokens >= 0
+        valid = tokens >= 0
+    return expert, slots, tokens, valid
+
+
+@triton.jit
+def _store_rows(ptr, tile, slots, valid, n, n_mask, stride, USE_DOT: tl.constexpr):
+    """out[slots, n] = tile: [BLOCK_N, BLOCK_M] with USE_DOT, else [BLOCK_N] for the one slot."""
+    if USE_DOT:
+        tl.store(ptr + slots[None, :] * stride + n[:, None], tile, mask=valid[None, :] & n_mask[:, None])
+    else:
+        tl.store(ptr + slots * stride + n, tile, mask=n_mask)
 
 
 @triton.jit
@@ -70,7 +83,7 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_p
                              row_bytes, stride_we, blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
-                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
@@ -84,15 +97,15 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_p
     n_mask = n < inter
     dtype = act_ptr.dtype.element_ty
     gate = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                       code_ptr, n, n_mask, 0, hidden, hidden, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
+                       code_ptr, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
     up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                     code_ptr, inter + n, n_mask, 0, hidden, hidden, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
-                     USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL)
+                     code_ptr, inter + n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
+                     USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
-    tl.store(act_ptr + slots[None, :] * inter + n[:, None], act.to(dtype), mask=valid[None, :] & n_mask[:, None])
+    _store_rows(act_ptr, act.to(dtype), slots, valid, n, n_mask, inter, USE_DOT)
 
 
 @triton.jit
@@ -100,7 +113,7 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, ex
                      nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter, row_bytes, stride_we,
                      blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+                     ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
@@ -114,14 +127,14 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, ex
     n_mask = n < hidden
     dtype = out_ptr.dtype.element_ty
     y = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                    code_ptr, n, n_mask, 0, inter, inter, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                    DOT_FP32, ALIGNED, NESTED, EXACT_MUL)  # [BLOCK_N, BLOCK_M]
-    tl.store(out_ptr + slots[None, :] * hidden + n[:, None], y.to(dtype), mask=valid[None, :] & n_mask[:, None])
+                    code_ptr, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                    DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)
+    _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
 def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
     slot_token, block_expert, position, experts = routing
-    launch = {"num_warps": cfg.num_warps}
+    launch = {"num_warps": cfg.num_warps or max(2, block_n // 16)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
     kernel[grid](
@@ -129,7 +142,7 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=out.is_cuda and w.nested, **launch)
+        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=cfg.lookup, **launch)
 
 
 def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -1,0 +1,261 @@
+"""NF4 decode kernels on one GPU: correctness against their _ref, CUDA-graph replay, and bandwidth per tile config.
+
+    python benchmarks/nf4_kernels.py            # ~2 minutes on an H200 (most of it Triton compiles)
+
+1. copy bandwidth (read + write of a 1 GiB buffer), the roofline every row is measured against;
+2. nf4_linear at the attention-projection shapes (K -> N: 2048 -> 4096, 2048 -> 512, 4096 -> 2048) and
+   fused_moe_experts_nf4 at Qwen3-30B-A3B's (E 128, H 2048, I 768, top-8), M = 1 and 8 rows, each config
+   checked against the reference (relative L2 error, fresh random data) and timed inside a CUDA graph (as
+   decode runs them: no host overhead) that replays back-to-back calls rotating over enough weight copies /
+   expert sets (>= 5x the 50 MB L2) that L2 cannot serve them; the bf16 fused_moe_experts at the same shapes;
+3. a CUDA-graph capture of each kernel, replayed: must equal the eager call bit for bit.
+Bytes counted: 0.5 B per weight read + its absmax (4 B, or 1 B nested, per 64) + activations in and out.
+The table comes last. Inputs are built here (random bytes, positive absmax); nothing is downloaded.
+"""
+
+import argparse
+import math
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from moegraph.kernels.fused_moe import fused_moe_experts
+from moegraph.kernels.moe_combine import moe_combine
+from moegraph.kernels.nf4_gemv import NF4LinearConfig, nf4_linear, nf4_linear_ref
+from moegraph.kernels.nf4_moe import (NF4MoEConfig, NF4Tensors, fused_moe_experts_nf4, fused_moe_experts_nf4_ref,
+                                      nf4_code)
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 256 << 20  # weight bytes cycled through per timed graph: 5x the H200's 50 MB L2
+MAX_COPIES = 256  # calls per timed graph (the smallest weight, 0.56 MB, needs 256 copies for ROTATE_BYTES)
+LINEAR_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]  # (K, N): q (and o's transpose), k / v, o
+MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
+ROWS = [1, 8]
+L = NF4LinearConfig
+LINEAR_CONFIGS = {
+    "auto (dot bn64 bk256 lk2)": L(),
+    "dot bn64 bk256 lk1": L(lookup=1),
+    "dot bn64 bk256 lk0": L(lookup=0),
+    "dot bn64 bk128 lk2 st1": L(block_k=128, num_stages=1),
+    "dot bn32 bk256 lk2": L(block_n=32),
+    "dot bn128 bk128 lk2": L(block_n=128, block_k=128),
+    "dot bn64 bk512 lk2 w8": L(block_k=512, num_warps=8),
+    "fma bn32 bk256 lk2": L(use_dot=False, block_n=32),
+    "fma bn32 bk256 lk1": L(use_dot=False, block_n=32, lookup=1),
+    "auto split1": L(split_k=1),
+    "auto split2": L(split_k=2),
+}
+C = NF4MoEConfig
+MOE_CONFIGS = {
+    "auto (dot 32/64 bk256 lk2)": C(),
+    "dot 32/64 lk1": C(lookup=1),
+    "dot 32/64 lk0": C(lookup=0),
+    "dot 64/128": C(gate_up_block_n=64, down_block_n=128),
+    "dot 32/32": C(down_block_n=32),
+    "dot 32/64 bk128 st1": C(block_k=128, num_stages=1),
+    "fma 32/64 lk2": C(use_dot=False, num_warps=4),
+    "fma 32/64 lk1": C(use_dot=False, num_warps=4, lookup=1),
+    "fma 16/32 bk512": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=512, num_warps=4),
+}
+
+
+def random_nf4(experts, rows, cols, nested, gen):
+    """Random bytes and positive absmax (weights ~0.02, like a trained layer's); (N, K) when experts is None."""
+    e = experts or 1
+    nblocks = rows * cols // 64
+    packed = torch.randint(0, 256, (e, rows * cols // 2), dtype=torch.uint8, device=DEVICE, generator=gen)
+    shape = (rows, cols) if experts is None else (e, rows, cols)
+    if not nested:
+        absmax = torch.rand(e, nblocks, device=DEVICE, generator=gen) * 0.03 + 0.01
+        return NF4Tensors(packed, absmax, shape)
+    absmax_q = torch.randint(0, 256, (e, nblocks), dtype=torch.uint8, device=DEVICE, generator=gen)
+    nested_code = torch.rand(256, device=DEVICE, generator=gen) * 2 - 1
+    nested_absmax = torch.rand(e, -(-nblocks // 256), device=DEVICE, generator=gen) * 0.01 + 0.005
+    offset = torch.full((e,), 0.02, device=DEVICE)
+    return NF4Tensors(packed, absmax_q, shape, nested_code, nested_absmax, offset)
+
+
+def nf4_bytes(rows, cols, nested):
+    return rows * cols // 2 + rows * cols // 64 * (1 if nested else 4)
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def time_us(fn):
+    return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def graph_us(calls, replays=3):
+    """Mean time of one call: `calls` (distinct inputs, each already run once) captured back to back in a graph."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def copy_bandwidth():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (time_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def bench_linear(rows_out, copy_bw, gen):
+    for k, n in LINEAR_SHAPES:
+        for nested in (False, True):
+            copies = max(2, min(MAX_COPIES, ROTATE_BYTES // nf4_bytes(n, k, nested)))
+            weights = [random_nf4(None, n, k, nested, gen) for _ in range(copies)]
+            code = nf4_code(DEVICE)
+            extra = lambda w: dict(nested_code=w.nested_code, nested_absmax=w.nested_absmax, offset=w.offset)  # noqa
+            for m in ROWS:
+                x = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
+                w0 = weights[0]
+                want = nf4_linear_ref(x, w0.packed, w0.absmax, code, n, k, **extra(w0))
+                moved = nf4_bytes(n, k, nested) + 2 * m * (k + n)
+                configs = LINEAR_CONFIGS if not nested else dict([next(iter(LINEAR_CONFIGS.items()))])
+                for name, cfg in configs.items():
+                    run = lambda w, cfg=cfg: nf4_linear(x, w.packed, w.absmax, code, n, k, config=cfg, **extra(w))  # noqa
+                    try:
+                        err = rel_err(run(w0), want)
+                        us = graph_us([lambda w=w: run(w) for w in weights])
+                    except Exception as exc:  # a config that does not compile is a result too
+                        print(f"nf4_linear {k}->{n} M={m} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        rows_out.append(("nf4_linear", f"{k}->{n}" + (" nested" if nested else ""), m, name,
+                                         float("nan"), float("nan"), float("nan"), f"FAIL {type(exc).__name__}"))
+                        continue
+                    rows_out.append(("nf4_linear", f"{k}->{n}" + (" nested" if nested else ""), m, name, us,
+                                     moved / us * 1e-3, 100 * moved / (us * 1e-6) / copy_bw, f"{err:.1e}"))
+            del weights
+
+
+def routings(tokens, count, gen):
+    e, top_k = MOE["experts"], MOE["top_k"]
+    out = []
+    perm = torch.randperm(e, device=DEVICE, generator=gen)
+    for i in range(count):
+        if tokens == 1:  # disjoint expert sets: 16 calls in a row share no expert
+            index = perm[(i % (e // top_k)) * top_k:][:top_k].view(1, top_k)
+        else:
+            index = torch.rand(tokens, e, device=DEVICE, generator=gen).topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, device=DEVICE, generator=gen).softmax(-1).to(DTYPE)
+        out.append((index, weights))
+    return out
+
+
+def bench_moe(rows_out, copy_bw, gen):
+    e, h, i = MOE["experts"], MOE["hidden"], MOE["inter"]
+    code = nf4_code(DEVICE)
+    per_expert = {nested: nf4_bytes(2 * i, h, nested) + nf4_bytes(h, i, nested) for nested in (False, True)}
+    bf16_gate_up = torch.randn(e, 2 * i, h, device=DEVICE, generator=gen).to(DTYPE) * 0.02
+    bf16_down = torch.randn(e, h, i, device=DEVICE, generator=gen).to(DTYPE) * 0.02
+    for nested in (False, True):
+        gate_up, down = random_nf4(e, 2 * i, h, nested, gen), random_nf4(e, h, i, nested, gen)
+        for tokens in ROWS:
+            x = torch.randn(tokens, h, device=DEVICE, generator=gen).to(DTYPE)
+            routes = routings(tokens, 32, gen)
+            distinct = sum(r[0].unique().numel() for r in routes) / len(routes)
+            moved = distinct * per_expert[nested] + 2 * tokens * h * 2
+            want = fused_moe_experts_nf4_ref(x, *routes[0], gate_up, down, code)
+            label = f"E{e} H{h} I{i} top8" + (" nested" if nested else "") + f" ({distinct:.0f} experts)"
+            configs = MOE_CONFIGS if not nested else dict([next(iter(MOE_CONFIGS.items()))])
+            for name, cfg in configs.items():
+                run = lambda r, cfg=cfg: fused_moe_experts_nf4(x, *r, gate_up, down, code, moe_combine, cfg)  # noqa
+                try:
+                    err = rel_err(run(routes[0]), want)
+                    us = graph_us([lambda r=r: run(r) for r in routes])
+                except Exception as exc:
+                    print(f"fused_moe_nf4 M={tokens} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    rows_out.append(("fused_moe_nf4", label, tokens, name, float("nan"), float("nan"), float("nan"),
+                                     f"FAIL {type(exc).__name__}"))
+                    continue
+                rows_out.append(("fused_moe_nf4", label, tokens, name, us, moved / us * 1e-3,
+                                 100 * moved / (us * 1e-6) / copy_bw, f"{err:.1e}"))
+            if not nested:  # the bf16 kernels at the same routing, 2 B per weight
+                moved_bf16 = distinct * 3 * h * i * 2 + 2 * tokens * h * 2
+                run = lambda r: fused_moe_experts(x, *r, bf16_gate_up, bf16_down, moe_combine)  # noqa
+                run(routes[0])
+                us = graph_us([lambda r=r: run(r) for r in routes])
+                rows_out.append(("fused_moe bf16", label, tokens, "fused_moe.py", us, moved_bf16 / us * 1e-3,
+                                 100 * moved_bf16 / (us * 1e-6) / copy_bw, "-"))
+        del gate_up, down
+
+
+def check_graph_replay(gen):
+    """Capture each kernel (split-K GEMV, both MoE paths) in a CUDA graph; replay must equal eager exactly."""
+    code = nf4_code(DEVICE)
+    w = random_nf4(None, 512, 2048, True, gen)
+    x = torch.randn(8, 2048, device=DEVICE, generator=gen).to(DTYPE)
+    e, h, i = 16, MOE["hidden"], MOE["inter"]
+    gate_up, down = random_nf4(e, 2 * i, h, False, gen), random_nf4(e, h, i, False, gen)
+    xm = torch.randn(8, h, device=DEVICE, generator=gen).to(DTYPE)
+    index = torch.rand(8, e, device=DEVICE, generator=gen).topk(8, dim=-1).indices
+    weights = torch.rand(8, 8, device=DEVICE, generator=gen).to(DTYPE)
+    calls = {
+        "nf4_linear split-K nested": lambda: nf4_linear(x, w.packed, w.absmax, code, 512, 2048,
+                                                        nested_code=w.nested_code, nested_absmax=w.nested_absmax,
+                                                        offset=w.offset),
+        "fused_moe_nf4 fma": lambda: fused_moe_experts_nf4(xm, index, weights, gate_up, down, code, moe_combine,
+                                                           NF4MoEConfig(use_dot=False)),
+        "fused_moe_nf4 dot": lambda: fused_moe_experts_nf4(xm, index, weights, gate_up, down, code, moe_combine,
+                                                           NF4MoEConfig(use_dot=True)),
+    }
+    results = {}
+    for name, fn in calls.items():
+        eager = fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[name] = torch.equal(eager, captured)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["linear", "moe"], help="run one kernel's part")
+    args = parser.parse_args()
+    start = time.time()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    if args.only in (None, "linear"):
+        bench_linear(rows, copy_bw, gen)
+        print(f"nf4_linear done at {time.time() - start:.0f}s", flush=True)
+    if args.only in (None, "moe"):
+        bench_moe(rows, copy_bw, gen)
+        print(f"fused_moe done at {time.time() - start:.0f}s", flush=True)
+    replay = check_graph_replay(gen)
+    print("graph replay == eager:", ", ".join(f"{k}: {v}" for k, v in replay.items()))
+    print(f"\n{'kernel':15} {'shape':38} {'M':>2} {'config':27} {'us':>8} {'GB/s':>7} {'%copy':>6} {'rel err':>8}")
+    for kernel, shape, m, name, us, gbs, pct, err in rows:
+        print(f"{kernel:15} {shape:38} {m:>2} {name:27} {us:8.2f} {gbs:7.0f} {pct:6.1f} {err:>8}")
+    best = {}
+    for kernel, shape, m, name, us, *_ in rows:
+        if kernel != "fused_moe bf16" and not math.isnan(us) and us < best.get((kernel, shape, m), (math.inf,))[0]:
+            best[(kernel, shape, m)] = (us, name)
+    print("\nbest config: " + "; ".join(f"{k[0]} {k[1]} M={k[2]}: {v[1]} ({v[0]:.1f} us)" for k, v in best.items()))
+    print(f"total {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
