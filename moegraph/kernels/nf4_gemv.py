@@ -25,14 +25,15 @@ from ._triton import tl, triton
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
            "nf4_linear_ref"]
 
-BLOCK_N = 32  # output rows per program (multiply-add path); N = 4096 -> 128 programs before split-K
-DOT_BLOCK_N = 64  # output rows per program (tensor cores): 16 rows per warp, no tile duplicated across warps
-BLOCK_K = 256  # columns per step: 128 bytes of each row, 16-byte loads, the next step's already in flight
-DOT_MIN_M = 2  # tensor cores from 2 rows of x (padded to 16); one row takes the multiply-add path
+# Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, K=2048 -> N=4096:
+BLOCK_N = 16  # rows per program, multiply-add path (M = 1): 9.2 us against 11.2 at 32 rows, 14.9 at 64
+DOT_BLOCK_N = 64  # rows per program, tensor cores: 16 rows a warp; 11.9 us at M = 8 (32 rows: 12.8)
+BLOCK_K = 256  # columns per step: 128 bytes of a row, 16-byte loads, the next step's already in flight
+DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one row a program) takes 35 us, dot 12
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
-NUM_WARPS = 8  # multiply-add path: 16 weights per thread per step keeps registers < 100 (2+ programs per SM)
-TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per H200 SM keep enough loads in flight
-LOOKUP = 1  # code table: 16 values in shared memory (0: L1 gather, 2: 256 byte pairs; see _nf4.py)
+NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
+TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower at every shape measured
+LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4x slower, 256 pairs (2) 1.1-1.3x
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 

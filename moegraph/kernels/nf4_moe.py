@@ -7,10 +7,10 @@ and the same roundings (gate and up rounded to the compute dtype, silu rounded, 
 down projection rounded; float32 accumulation everywhere), with each weight tile dequantized in registers
 (0.5 byte per weight plus one absmax per 64, read once per expert tile; layout and helpers in _nf4.py).
 Two paths, chosen from T alone (so one per captured graph):
-- dot (T >= DOT_MIN_TOKENS): one program per (expert block, column tile), tensor cores on
-  [weight tile] @ [x of the block's 16 slots]^T; idle blocks exit at once (grid sized like fused_moe.py);
-- multiply-add (small T): one program per (token, expert) pair and column tile, nothing padded to 16
-  rows; an expert routed twice is read twice, the second time mostly from L2.
+- multiply-add (T < DOT_MIN_TOKENS): one program per (token, expert) pair and column tile, nothing padded to
+  16 rows; an expert routed twice is read twice, the second time mostly from L2;
+- dot: one program per (expert block, column tile), tensor cores on [weight tile] @ [x of the block's 16
+  slots]^T; idle blocks exit at once (grid sized like fused_moe.py).
 Capture-safe: grids and buffers sized from T, K, E only, no host sync, no atomics.
 """
 
@@ -28,12 +28,13 @@ from .fused_moe import BLOCK_M, align_blocks
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
            "fused_moe_experts_nf4_ref", "nf4_code"]
 
-GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) rows in 24 tiles: 192 programs at batch 1
-DOWN_BLOCK_N = 64  # 2048 output rows in 32 tiles: 256 programs at batch 1
-BLOCK_K = 256  # 128 bytes of each weight row per step, the next step's already in flight; 768 = 3 steps
-DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below 16 tokens (measured faster at 1 and 8)
-NUM_WARPS = 8  # multiply-add path: registers < 160 with gate and up in one loop (tensor cores: 16 rows a warp)
-LOOKUP = 1  # code table: 16 values in shared memory (0: L1 gather, 2: 256 byte pairs; see _nf4.py)
+# Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, E 128 H 2048 I 768:
+GATE_UP_BLOCK_N = 16  # 768 gate (+768 up) rows in 48 tiles: batch 1 40.6 us against 45.2 at 32 rows
+DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
+BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
+DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
+NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
+LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
 
 
 @dataclass(frozen=True)
