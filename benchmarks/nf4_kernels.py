@@ -35,30 +35,37 @@ LINEAR_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]  # (K, N): q (and o's 
 MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 ROWS = [1, 8]
 L = NF4LinearConfig
-LINEAR_CONFIGS = {
-    "auto (dot bn64 bk256 lk2)": L(),
-    "dot bn64 bk256 lk1": L(lookup=1),
-    "dot bn64 bk256 lk0": L(lookup=0),
-    "dot bn64 bk128 lk2 st1": L(block_k=128, num_stages=1),
-    "dot bn32 bk256 lk2": L(block_n=32),
-    "dot bn128 bk128 lk2": L(block_n=128, block_k=128),
-    "dot bn64 bk512 lk2 w8": L(block_k=512, num_warps=8),
-    "fma bn32 bk256 lk2": L(use_dot=False, block_n=32),
-    "fma bn32 bk256 lk1": L(use_dot=False, block_n=32, lookup=1),
-    "auto split1": L(split_k=1),
-    "auto split2": L(split_k=2),
+LINEAR_CONFIGS = {  # name: (bn, bk, warps, lookup, stages, split) as given; "auto" is the launcher's choice
+    "auto": L(),
+    "fma bn32 bk256 w8": L(use_dot=False, block_n=32, num_warps=8),
+    "fma bn32 bk256 w4": L(use_dot=False, block_n=32, num_warps=4),
+    "fma bn64 bk256 w8": L(use_dot=False, block_n=64, num_warps=8),
+    "fma bn16 bk256 w4": L(use_dot=False, block_n=16, num_warps=4),
+    "fma bn32 bk128 w4": L(use_dot=False, block_n=32, block_k=128, num_warps=4),
+    "fma bn32 bk256 w8 lk2": L(use_dot=False, block_n=32, num_warps=8, lookup=2),
+    "fma bn32 bk256 w8 split1": L(use_dot=False, block_n=32, num_warps=8, split_k=1),
+    "fma bn32 bk256 w8 split2": L(use_dot=False, block_n=32, num_warps=8, split_k=2),
+    "dot bn64 bk256 w4": L(use_dot=True, block_n=64, num_warps=4),
+    "dot bn64 bk256 w4 st1": L(use_dot=True, block_n=64, num_warps=4, num_stages=1),
+    "dot bn64 bk128 w4": L(use_dot=True, block_n=64, block_k=128, num_warps=4),
+    "dot bn64 bk256 w8": L(use_dot=True, block_n=64, num_warps=8),
+    "dot bn32 bk256 w2": L(use_dot=True, block_n=32, num_warps=2),
+    "dot bn64 bk256 w4 lk2": L(use_dot=True, block_n=64, num_warps=4, lookup=2),
+    "dot bn64 bk256 w4 split2": L(use_dot=True, block_n=64, num_warps=4, split_k=2),
 }
 C = NF4MoEConfig
-MOE_CONFIGS = {
-    "auto (dot 32/64 bk256 lk2)": C(),
-    "dot 32/64 lk1": C(lookup=1),
-    "dot 32/64 lk0": C(lookup=0),
-    "dot 64/128": C(gate_up_block_n=64, down_block_n=128),
-    "dot 32/32": C(down_block_n=32),
-    "dot 32/64 bk128 st1": C(block_k=128, num_stages=1),
-    "fma 32/64 lk2": C(use_dot=False, num_warps=4),
-    "fma 32/64 lk1": C(use_dot=False, num_warps=4, lookup=1),
-    "fma 16/32 bk512": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=512, num_warps=4),
+MOE_CONFIGS = {  # name: gate_up / down block_n, block_k, warps, lookup, stages
+    "auto": C(),
+    "fma 32/64 bk256 w8": C(use_dot=False, num_warps=8),
+    "fma 32/32 bk128 w8": C(use_dot=False, down_block_n=32, block_k=128, num_warps=8),
+    "fma 16/32 bk256 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=4),
+    "fma 32/64 bk256 w4": C(use_dot=False, num_warps=4),
+    "fma 32/64 bk128 w4": C(use_dot=False, block_k=128, num_warps=4),
+    "fma 32/64 bk256 w8 lk2": C(use_dot=False, num_warps=8, lookup=2),
+    "dot 64/64 bk128 w4": C(use_dot=True, gate_up_block_n=64, block_k=128, num_warps=4),
+    "dot 64/64 bk256 w4 st1": C(use_dot=True, gate_up_block_n=64, num_warps=4, num_stages=1),
+    "dot 32/64 bk256 w2/4": C(use_dot=True),
+    "dot 64/128 bk256 w8": C(use_dot=True, gate_up_block_n=64, down_block_n=128, num_warps=8),
 }
 
 

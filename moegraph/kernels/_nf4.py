@@ -152,30 +152,40 @@ def _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, bloc
 
 
 @triton.jit
-def _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, table, rows, row_mask,
-                 kb, row_bytes, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
-    """(W[rows, 2(kb + j)], W[rows, 2(kb + j) + 1]) for j < BLOCK_K // 2: two [BLOCK_N, BLOCK_K // 2] tiles in DTYPE.
+def _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask, kb, kb_end,
+              row_bytes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
+              EXACT_MUL: tl.constexpr):
+    """The bytes W[rows, 2 kb : 2 kb + BLOCK_K] ([BLOCK_N, BLOCK_K // 2] uint8, 0 past kb_end) and their absmax.
 
-    kb is a byte offset in the rows (a multiple of 16 wherever it can be), so the [BLOCK_N, BLOCK_K // 2] byte
-    tile loads as 16-byte vectors; the code gather and absmax product keep that layout (no shuffle of the tile).
+    kb is a byte offset in the rows (a multiple of 16 wherever it can be), so the byte tile loads as 16-byte
+    vectors; the absmax is [BLOCK_N, BLOCK_K // 64] (ALIGNED: one per 32 bytes of a row) or one per byte.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     byte = kb + tl.arange(0, HALF)
-    mask = row_mask[:, None] & (byte < row_bytes)[None, :]
+    mask = row_mask[:, None] & (byte < kb_end)[None, :]
     packed = tl.load(w_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0)
     if ALIGNED:
-        # K % 64 == 0: a row holds whole 64-blocks (32 bytes): one absmax per (row, 32 bytes), broadcast
-        G: tl.constexpr = BLOCK_K // 64
-        group = kb // 32 + tl.arange(0, G)
+        # K % 64 == 0: a row holds whole 64-blocks (32 bytes)
+        group = kb // 32 + tl.arange(0, BLOCK_K // 64)
         absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                              rows[:, None] * (row_bytes // 32) + group[None, :],
-                             row_mask[:, None] & (group < row_bytes // 32)[None, :], NESTED, EXACT_MUL)  # [BLOCK_N, G]
-        absmax = tl.reshape(tl.broadcast_to(absmax[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, HALF])
+                             row_mask[:, None] & (group < kb_end // 32)[None, :], NESTED, EXACT_MUL)
     else:
         # a 64-block may span rows: its index per byte (both nibbles of a byte share a block: 64 is even)
         absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                              (rows[:, None] * row_bytes + byte[None, :]) // 32, mask, NESTED, EXACT_MUL)
+    return packed, absmax
+
+
+@triton.jit
+def _nf4_decode(packed, absmax, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ALIGNED: tl.constexpr, LOOKUP: tl.constexpr):
+    """(even, odd) columns of the tile in DTYPE: code[high nibble] * absmax and code[low nibble] * absmax, in the
+    layout the bytes were loaded in (no shuffle of the tile)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    if ALIGNED:  # one absmax per 32 bytes of a row, broadcast
+        G: tl.constexpr = BLOCK_K // 64
+        absmax = tl.reshape(tl.broadcast_to(absmax[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, HALF])
     if LOOKUP == 0:  # global gather from the 64-byte table (one L1 line): a 64-bit address per value
         code_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
         code_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
@@ -205,15 +215,38 @@ def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
 
 
 @triton.jit
+def _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
+                    LOOKUP: tl.constexpr):
+    even, odd = _nf4_decode(packed, absmax, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, LOOKUP)
+    if USE_DOT:
+        if DOT_FP32:
+            # fp32 operands: fp32 data (ieee, no tf32 rounding), or the CPU interpreter (bf16 dots are wrong there)
+            acc = tl.dot(even.to(tl.float32), tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(odd.to(tl.float32), tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(even, tl.trans(x_even.to(DTYPE)), acc)
+            acc = tl.dot(odd, tl.trans(x_odd.to(DTYPE)), acc)
+    else:
+        acc += even.to(tl.float32) * x_even[None, :]  # two statements: two fma, not mul + fma + add
+        acc += odd.to(tl.float32) * x_odd[None, :]
+    return acc
+
+
+@triton.jit
 def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
-                rows, row_mask, kb_start, kb_end, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
-    """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32; x [*, K = 2 row_bytes] row-major.
+                ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
+                TWO: tl.constexpr):
+    """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32 (and the same for rows2 when TWO,
+    sharing the x loads: gate and up); x [*, K = 2 row_bytes] row-major. Returns (acc, acc2), acc2 = acc if not TWO.
 
     USE_DOT: [BLOCK_N, BLOCK_M], tensor cores with the weight tile as the left operand (the wide side; x pads to
     BLOCK_M >= 16 rows, x_rows [BLOCK_M] with x_mask). Otherwise [BLOCK_N] for the one row x_rows (a scalar):
     a multiply-add per weight into a [BLOCK_N, BLOCK_K // 2] accumulator, summed once after the loop.
+    The next step's bytes are loaded before this step's are decoded: 4-bit weights are cheap to hold in
+    registers, and the loads in flight are what a bandwidth-bound loop needs.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     K = 2 * row_bytes
@@ -225,31 +258,42 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
     else:
         acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         x_base = x_ptr + x_rows.to(tl.int64) * K
+    acc2 = acc
+    packed, absmax = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
+                               kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL)
+    packed2, absmax2 = packed, absmax
+    if TWO:
+        packed2, absmax2 = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
+                                     row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, ALIGNED, NESTED,
+                                     EXACT_MUL)
     for kb in range(kb_start, kb_end, HALF):
-        even, odd = _nf4_dequant(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, table,
-                                 rows, row_mask, kb, row_bytes, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL,
-                                 LOOKUP)
+        next_packed, next_absmax = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows,
+                                             row_mask, kb + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K, ALIGNED, NESTED,
+                                             EXACT_MUL)  # all masked off after the last step
+        if TWO:
+            next_packed2, next_absmax2 = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                                   rows2, row_mask, kb + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K,
+                                                   ALIGNED, NESTED, EXACT_MUL)
         if USE_DOT:
             k = 2 * kb + tl.arange(0, BLOCK_K)
             x = tl.load(x_base + k[None, :], mask=x_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
-            if DOT_FP32:
-                # fp32 operands: fp32 data (ieee, no tf32 rounding), or the CPU interpreter (bf16 dots are wrong there)
-                acc = tl.dot(even.to(tl.float32), tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
-                acc = tl.dot(odd.to(tl.float32), tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(even, tl.trans(x_even.to(DTYPE)), acc)
-                acc = tl.dot(odd, tl.trans(x_odd.to(DTYPE)), acc)
         else:
             # 1-D strided x loads (L1 hits): a 2-D x tile would pull the weight tile into its layout
             k_even = 2 * (kb + tl.arange(0, HALF))
             x_even = tl.load(x_base + k_even, mask=k_even < K, other=0.0).to(tl.float32)
             x_odd = tl.load(x_base + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)
-            acc += even.to(tl.float32) * x_even[None, :]  # two statements: two fma, not mul + fma + add
-            acc += odd.to(tl.float32) * x_odd[None, :]
+        acc = _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, USE_DOT,
+                              DOT_FP32, ALIGNED, LOOKUP)
+        packed, absmax = next_packed, next_absmax
+        if TWO:
+            acc2 = _nf4_accumulate(acc2, packed2, absmax2, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K,
+                                   USE_DOT, DOT_FP32, ALIGNED, LOOKUP)
+            packed2, absmax2 = next_packed2, next_absmax2
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    return acc
+        acc2 = tl.sum(acc2, axis=1)
+    return acc, acc2
 
 
 def dequantize_nf4_ref(t: NF4Tensors, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

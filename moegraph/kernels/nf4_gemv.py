@@ -25,13 +25,15 @@ from ._triton import tl, triton
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
            "nf4_linear_ref"]
 
-# Instruction counts below: sm_90 SASS of one loop step, compiled on the CPU (Triton 3.9); no GPU timing yet.
-BLOCK_N = 64  # output rows per program: 16 rows per warp of the tensor-core tile, no tile duplicated across warps
-BLOCK_K = 256  # columns per step: a [64, 128]-byte tile, 64 bytes per thread, cp.async-pipelined under tl.dot
-DOT_MIN_M = 1  # tensor cores from 1 row: ~5 SASS instructions per weight against ~7 for the multiply-add path
+# Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, K=2048 -> N=4096:
+BLOCK_N = 16  # rows per program, multiply-add path (M = 1): 9.2 us against 11.2 at 32 rows, 14.9 at 64
+DOT_BLOCK_N = 64  # rows per program, tensor cores: 16 rows a warp; 11.9 us at M = 8 (32 rows: 12.8)
+BLOCK_K = 256  # columns per step: 128 bytes of a row, 16-byte loads, the next step's already in flight
+DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one row a program) takes 35 us, dot 12
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
-TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per H200 SM keep enough loads in flight (unmeasured)
-LOOKUP = 2  # code table in shared memory as 256 byte -> (even, odd) pairs: 5.3 instr/weight vs 7.7 (16 values), 9.2 (L1)
+NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
+TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower at every shape measured
+LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4x slower, 256 pairs (2) 1.1-1.3x
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 
@@ -39,11 +41,11 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 class NF4LinearConfig:
     """Tile choices of one call; None fields are derived from the shapes (the benchmark sweeps them)."""
 
-    block_n: int = BLOCK_N
+    block_n: Optional[int] = None  # None: BLOCK_N, or DOT_BLOCK_N on the tensor-core path
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None  # None: M >= DOT_MIN_M
     split_k: Optional[int] = None  # None: enough programs for TARGET_PROGRAMS
-    num_warps: Optional[int] = None  # None: block_n // 16 (at least 2), one warp per 16 rows
+    num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
     lookup: int = LOOKUP
 
@@ -64,9 +66,10 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
     else:
         m = tl.program_id(1)  # one row of x per program
         m_mask = m < M
-    acc = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
-                      rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                      USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+    acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                         code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
+                         BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
+                         False)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
     if USE_DOT:
         offs = m[None, :] * N + rows[:, None]
         mask = row_mask[:, None] & m_mask[None, :]
@@ -117,12 +120,13 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         raise InvalidArgumentError(f"{op}: bias must be a float tensor of {N} elements on {x.device}, got "
                                    f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
     cfg = config or NF4LinearConfig()
-    if cfg.block_k % 64 or cfg.block_n < 16:
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
     rows_m = x.shape[0]
     use_dot = cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
+    block_n = cfg.block_n or (DOT_BLOCK_N if use_dot else BLOCK_N)
+    if cfg.block_k % 64 or block_n < 16:
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
     block_m = DOT_BLOCK_M if use_dot else 1
-    grid_n, grid_m = triton.cdiv(N, cfg.block_n), triton.cdiv(rows_m, block_m)
+    grid_n, grid_m = triton.cdiv(N, block_n), triton.cdiv(rows_m, block_m)
     k_steps = triton.cdiv(K, cfg.block_k)
     steps_per_split = triton.cdiv(k_steps, cfg.split_k or _choose_split_k(grid_n * grid_m, k_steps))
     split_k = triton.cdiv(k_steps, steps_per_split)  # no empty split
@@ -130,12 +134,12 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
     partial = torch.empty(split_k, rows_m, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
-    launch = {"num_warps": cfg.num_warps or max(2, cfg.block_n // 16)}
+    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
     _nf4_linear_kernel[(grid_n, grid_m, split_k)](
         x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
-        steps_per_split * cfg.block_k // 2, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        steps_per_split * cfg.block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, LOOKUP=cfg.lookup,
         **launch)

@@ -7,10 +7,10 @@ and the same roundings (gate and up rounded to the compute dtype, silu rounded, 
 down projection rounded; float32 accumulation everywhere), with each weight tile dequantized in registers
 (0.5 byte per weight plus one absmax per 64, read once per expert tile; layout and helpers in _nf4.py).
 Two paths, chosen from T alone (so one per captured graph):
-- dot (T >= DOT_MIN_TOKENS): one program per (expert block, column tile), tensor cores on
-  [weight tile] @ [x of the block's 16 slots]^T; idle blocks exit at once (grid sized like fused_moe.py);
-- multiply-add (small T): one program per (token, expert) pair and column tile, nothing padded to 16
-  rows; an expert routed twice is read twice, the second time mostly from L2.
+- multiply-add (T < DOT_MIN_TOKENS): one program per (token, expert) pair and column tile, nothing padded to
+  16 rows; an expert routed twice is read twice, the second time mostly from L2;
+- dot: one program per (expert block, column tile), tensor cores on [weight tile] @ [x of the block's 16
+  slots]^T; idle blocks exit at once (grid sized like fused_moe.py).
 Capture-safe: grids and buffers sized from T, K, E only, no host sync, no atomics.
 """
 
@@ -28,12 +28,13 @@ from .fused_moe import BLOCK_M, align_blocks
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
            "fused_moe_experts_nf4_ref", "nf4_code"]
 
-# Instruction counts below: sm_90 SASS of one loop step, compiled on the CPU (Triton 3.9); no GPU timing yet.
-GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) rows in 24 tiles (2 warps each): 192 programs at batch 1
-DOWN_BLOCK_N = 64  # 2048 output rows in 32 tiles (4 warps each): 256 programs at batch 1
-BLOCK_K = 256  # 128 bytes of each weight row per step, cp.async-pipelined under tl.dot; 768 = 3 steps
-DOT_MIN_TOKENS = 1  # tensor cores even at batch 1 (15 of 16 rows padding): ~5 instr/weight against ~7
-LOOKUP = 2  # code table in shared memory as 256 byte -> (even, odd) pairs: ~5 instr/weight vs ~7.7 (16 values)
+# Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, E 128 H 2048 I 768:
+GATE_UP_BLOCK_N = 16  # 768 gate (+768 up) rows in 48 tiles: batch 1 40.6 us against 45.2 at 32 rows
+DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
+BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
+DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
+NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
+LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class NF4MoEConfig:
     down_block_n: int = DOWN_BLOCK_N
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None
-    num_warps: Optional[int] = None  # None: block_n // 16 (at least 2), one warp per 16 rows of the tile
+    num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
     lookup: int = LOOKUP
 
@@ -96,12 +97,10 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_p
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < inter
     dtype = act_ptr.dtype.element_ty
-    gate = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                       code_ptr, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
-    up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                     code_ptr, inter + n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
-                     USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)
+    gate, up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                           code_ptr, n, inter + n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
+                           USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
+                           True)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]: both streams in one loop
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
@@ -126,15 +125,15 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, ex
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < hidden
     dtype = out_ptr.dtype.element_ty
-    y = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                    code_ptr, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                    DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP)
+    y, _ = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                       code_ptr, n, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False)
     _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
 def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
     slot_token, block_expert, position, experts = routing
-    launch = {"num_warps": cfg.num_warps or max(2, block_n // 16)}
+    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
     kernel[grid](
