@@ -8,7 +8,7 @@ Shapes as in grouped_mm.py: hidden [T, H], top_k_index [T, K], top_k_weights [T,
   (one launch each on CUDA), the grouped GEMMs run on that, and the dense copy is dropped after the
   layer: the caching allocator hands the same block to every layer, so it is one reused buffer.
   Under torch.compile the dequantization is the opaque op moegraph::nf4_dense (same kernel), as the GEMMs are.
-- torch: NF4Experts' own forward (dequantize each routed expert; syncs with the host).
+- torch: NF4Experts' plain-torch `forward_ref` (dequantize each routed expert; syncs with the host).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def moe_experts_nf4_triton(hidden, top_k_index, top_k_weights, experts: nn.Modul
 
 
 def moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None) -> torch.Tensor:
-    return experts.forward(hidden, top_k_index, top_k_weights)
+    return experts.forward_ref(hidden, top_k_index, top_k_weights)
 
 
 def _kernel_view(weight):
