@@ -1,12 +1,14 @@
 """The decode step's ops: one typed table, chosen once per (device, dtype, weight formats, MoE backend).
 
-Every op that the graph decoder's step and the patched MoE block run comes from an `OpTable`.
+Every op that the graph decoder's step and moegraph's experts functions (registered in transformers'
+ExpertsInterface, moe/interface.py) run comes from an `OpTable`.
 `resolve_ops()` builds it once per key, from the backend probes (moe/select.py) and the formats
 of the weights, and records why each op was chosen (`python -m moegraph info` prints it):
 - norms, q/k-norm + RoPE + cache write, router top-k, expert grouping: moegraph's Triton kernels
   on CUDA, their plain-torch references elsewhere (the kernel tests run the kernels on the CPU
   through Triton's interpreter; `kernels="triton"` forces them for such a test);
-- experts: the MoE backend the probe accepted for the experts' weight format;
+- experts: the MoE backend the probe accepted for the experts' weight format (under torch.compile: the
+  traceable grouped_mm path of that format, moe/select.py's COMPILED_EXPERT_FUNCTIONS);
 - projections: a plain linear for dense weights, bitsandbytes' own forward for `Linear4bit`.
 Nothing re-decides per layer or per call: callers hold the table, or look it up by its key.
 """
@@ -14,6 +16,7 @@ Nothing re-decides per layer or per call: callers hold the table, or look it up 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +25,7 @@ from torch import nn
 
 from .errors import InvalidArgumentError
 from .kernels import moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
-from .moe.select import expert_function, describe_moe_backend, normalize_device
+from .moe.select import COMPILED_REASON, expert_function, describe_moe_backend, normalize_device
 
 DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
 NF4 = "nf4"  # experts in moegraph's NF4 format (moegraph/quant)
@@ -135,6 +138,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         ("qk_norm_rope", kernel_name, kernel_why),
         ("router", kernel_name, kernel_why),
         ("experts", backend.name, backend.reason),
+        ("compiled", "grouped_mm", COMPILED_REASON),
         ("projections", linear_name, linear_why),
     )
     return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
@@ -149,6 +153,7 @@ def forget_choices() -> None:
 
     resolve_ops.cache_clear()
     select._choose.cache_clear()
+    _EXPERTS_OPS.clear()
 
 
 def experts_format(experts: nn.Module) -> str:
@@ -192,7 +197,20 @@ def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "a
     return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels)
 
 
+# experts module -> {(moe_backend, device, dtype): its table}: what the registered experts functions read per call
+_EXPERTS_OPS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def ops_for_experts(experts: nn.Module, moe_backend: str = "auto") -> OpTable:
-    """The table for one MoE block's experts (the patched block forward of prefill)."""
-    formats = WeightFormats(experts_format(experts), DENSE)
-    return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend)
+    """The table for one experts module (what moegraph's ExpertsInterface functions run in prefill).
+
+    Resolved once per module and key; a module moved to another device or dtype gets the table of its new key."""
+    device, dtype = experts_device(experts), experts_dtype(experts)
+    tables = _EXPERTS_OPS.get(experts)
+    if tables is None:
+        tables = _EXPERTS_OPS[experts] = {}
+    ops = tables.get((moe_backend, device, dtype))
+    if ops is None:
+        formats = WeightFormats(experts_format(experts), DENSE)
+        ops = tables[(moe_backend, device, dtype)] = resolve_ops(device, dtype, formats, moe_backend)
+    return ops

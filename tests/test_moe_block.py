@@ -1,4 +1,4 @@
-"""The patched sparse MoE block against transformers' own experts paths, on the same weights."""
+"""The sparse MoE block with moegraph's experts against transformers' own experts paths, on the same weights."""
 
 import copy
 
@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from moegraph.moe import moe_experts_grouped_mm, moe_experts_ref
-from moegraph.moe.block import sparse_moe_forward as _sparse_moe_forward
-from moegraph.ops import ops_for_experts
+from moegraph.moe.interface import EXPERTS_FORWARDS, experts_name
 from moegraph.testing import build_model
 
 
 def sparse_moe_forward(block, hidden, backend):
-    return _sparse_moe_forward(block, hidden, ops_for_experts(block.experts, backend))
+    """transformers' block forward with the experts of moegraph's implementation for `backend`."""
+    batch, seq, hidden_dim = hidden.shape
+    flat = hidden.reshape(-1, hidden_dim)
+    _router_logits, top_k_weights, top_k_index = block.gate(flat)
+    out = EXPERTS_FORWARDS[experts_name(backend)](block.experts, flat, top_k_index, top_k_weights)
+    return out.view(batch, seq, hidden_dim)
 
 
 def _block(dtype=torch.float32, seed=0, **overrides):

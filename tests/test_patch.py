@@ -1,11 +1,18 @@
 """patch / unpatch: identity, idempotence, scopes, errors."""
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
 
 import moegraph
+import moegraph.moe.interface
+import moegraph.ops
+import moegraph.patches.api
 from moegraph.testing import build_model, make_config, random_prompts
 
 
@@ -16,6 +23,16 @@ def _logits(model, inputs):
 
 def _blocks(model):
     return [m for m in model.modules() if isinstance(m, qwen3.Qwen3MoeSparseMoeBlock)]
+
+
+@contextlib.contextmanager
+def _spy(name):
+    """A Mock wrapping the function registered under `name` in transformers' ExpertsInterface, in its place
+    (as transformers' own test_eager_matches_batched_and_grouped_inference mocks them)."""
+    moegraph.moe.interface.register_experts()
+    spy = mock.Mock(wraps=ALL_EXPERTS_FUNCTIONS._global_mapping[name])
+    with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {name: spy}):
+        yield spy
 
 
 @pytest.mark.parametrize("overrides", [{}, {"mlp_only_layers": [0, 2]}, {"norm_topk_prob": False},
@@ -49,15 +66,17 @@ def test_patch_is_idempotent_and_unpatch_restores_identical_objects():
     model = build_model("tiny")
     class_forward = vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"]
     class_generate = qwen3.Qwen3MoeForCausalLM.generate
+    before = vars(model.config)["_experts_implementation_internal"]
     assert moegraph.patch(model) is model
-    wrapped = [b.forward for b in _blocks(model)]
+    assert model.config._experts_implementation == "moegraph"
     generate = model.generate
     moegraph.patch(model)  # again: nothing more
-    assert [b.forward for b in _blocks(model)] == wrapped and model.generate is generate
+    assert model.generate is generate and model.config._experts_implementation == "moegraph"
     assert moegraph.is_patched(model)
+    assert all("forward" not in vars(b) for b in _blocks(model))  # the blocks stay transformers' own
     moegraph.unpatch(model)
     assert not moegraph.is_patched(model)
-    assert all("forward" not in vars(b) for b in _blocks(model))
+    assert vars(model.config)["_experts_implementation_internal"] is before
     assert "generate" not in vars(model)
     assert vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"] is class_forward
     assert qwen3.Qwen3MoeForCausalLM.generate is class_generate
@@ -68,8 +87,12 @@ def test_model_patch_leaves_other_models_untouched():
     patched, other = build_model("tiny", seed=0), build_model("tiny", seed=0)
     moegraph.patch(patched)
     assert not moegraph.is_patched(other)
-    assert all("forward" not in vars(b) for b in _blocks(other))
+    assert other.config._experts_implementation == "grouped_mm"
     assert "generate" not in vars(other)
+    inputs = random_prompts(2, vocab_size=other.config.vocab_size)
+    with _spy("moegraph") as ours, _spy("grouped_mm") as theirs:
+        _logits(other, inputs)
+    assert ours.call_count == 0 and theirs.call_count == len(_blocks(other))
 
 
 def test_class_patch_before_from_config_and_unpatch():
@@ -80,12 +103,35 @@ def test_class_patch_before_from_config_and_unpatch():
     moegraph.patch()
     moegraph.patch()  # idempotent
     assert moegraph.is_patched()
-    model = build_model("tiny", experts_implementation="eager")  # built after the class patch
+    model = build_model("tiny")  # built after the class patch, asking for no experts implementation
+    explicit = build_model("tiny", experts_implementation="eager")  # an explicit choice is kept
     assert moegraph.is_patched(model)
-    assert torch.allclose(_logits(model, inputs), want, rtol=1e-5, atol=1e-5)
+    assert model.config._experts_implementation == "moegraph" and explicit.config._experts_implementation == "eager"
+    with _spy("moegraph") as ours:
+        assert torch.allclose(_logits(model, inputs), want, rtol=1e-5, atol=1e-5)
+    assert ours.call_count == len(_blocks(model))
     moegraph.unpatch()
     assert not moegraph.is_patched() and not moegraph.is_patched(model)
+    assert model.config._experts_implementation == "grouped_mm"  # what transformers would have chosen
+    assert explicit.config._experts_implementation == "eager"
     assert vars(qwen3.Qwen3MoeSparseMoeBlock)["forward"] is original
+    assert "get_correct_experts_implementation" not in vars(qwen3.Qwen3MoePreTrainedModel)
+
+
+def test_class_patch_adopts_a_model_built_before_at_its_first_generate(moegraph_logs):
+    model = build_model("tiny", num_layers=1)
+    explicit = build_model("tiny", num_layers=1, experts_implementation="batched_mm")
+    moegraph.patch()
+    assert moegraph.is_patched(model) and model.config._experts_implementation == "grouped_mm"
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert model.config._experts_implementation == "moegraph"
+    assert moegraph.decode_stats(model).fallback_reason is None
+    explicit.generate(**inputs, max_new_tokens=2, do_sample=False)  # an explicit choice is honoured: transformers
+    assert explicit.config._experts_implementation == "batched_mm"
+    assert "experts_implementation='batched_mm'" in moegraph.decode_stats(explicit).fallback_reason
+    moegraph.unpatch()
+    assert model.config._experts_implementation == "grouped_mm"
 
 
 def test_instance_patch_on_class_patched_model():
@@ -96,8 +142,20 @@ def test_instance_patch_on_class_patched_model():
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     moegraph.unpatch(model)
+    assert model.config._experts_implementation == "moegraph"  # the class patch's, still active
     moegraph.unpatch()
     assert not moegraph.is_patched(model)
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_class_unpatch_before_model_unpatch_restores_transformers_choice():
+    moegraph.patch()
+    model = build_model("tiny")
+    moegraph.patch(model)
+    moegraph.unpatch()
+    assert moegraph.is_patched(model) and model.config._experts_implementation == "moegraph"
+    moegraph.unpatch(model)
+    assert model.config._experts_implementation == "grouped_mm"
 
 
 def test_unsupported_model_raises_with_type_and_supported_list():
@@ -198,3 +256,82 @@ def test_works_without_triton_installed():
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ----- transformers' ExpertsInterface ------------------------------------------------------------------------------
+def test_experts_names_join_transformers_registry_without_replacing_its_own():
+    builtin = dict(ALL_EXPERTS_FUNCTIONS._global_mapping)
+    model = build_model("tiny")
+    moegraph.patch(model)
+    names = ["moegraph", "moegraph_grouped_mm", "moegraph_triton", "moegraph_torch"]
+    assert all(name in ALL_EXPERTS_FUNCTIONS for name in names)
+    assert all(ALL_EXPERTS_FUNCTIONS._global_mapping[name] is fn for name, fn in builtin.items())
+    assert model.get_correct_experts_implementation("moegraph_torch") == "moegraph_torch"  # valid to transformers
+    moegraph.unpatch(model)
+    moegraph.patch(model, moe_backend="torch")
+    assert model.config._experts_implementation == "moegraph_torch"
+
+
+def test_set_experts_implementation_after_patch_is_honoured(moegraph_logs):
+    """transformers' test_eager_matches_batched_and_grouped_inference, on a patched model: each implementation's
+    mock is called when set, and only then; generate() with a name not moegraph's falls back, saying so once."""
+    model = build_model("tiny", num_layers=2)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+    want_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    moegraph.patch(model)
+    outputs = {}
+    with _spy("batched_mm") as batched, _spy("grouped_mm") as grouped, _spy("moegraph") as ours:
+        spies = {"batched_mm": batched, "grouped_mm": grouped, "moegraph": ours}
+        for name in ("eager", "batched_mm", "grouped_mm", "moegraph"):
+            model.set_experts_implementation(name)
+            assert model.config._experts_implementation == name
+            outputs[name] = _logits(model, inputs)
+            assert {n for n, spy in spies.items() if spy.called} == ({name} if name in spies else set())
+            for spy in spies.values():
+                spy.reset_mock()
+    for name in ("batched_mm", "grouped_mm", "moegraph"):
+        torch.testing.assert_close(outputs[name], outputs["eager"], rtol=1e-4, atol=1e-4)
+
+    model.set_experts_implementation("eager")
+    for _ in range(2):
+        assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), want_tokens)
+        assert "experts_implementation='eager'" in moegraph.decode_stats(model).fallback_reason
+    warned = [r for r in moegraph_logs.records if "experts_implementation='eager'" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+    model.set_experts_implementation("moegraph")
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), want_tokens)
+    assert moegraph.decode_stats(model).fallback_reason is None
+
+
+def test_moegraph_names_choose_the_decode_backend_too():
+    model = build_model("tiny", num_layers=1)
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+    want = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    moegraph.patch(model)
+    decoder = moegraph.patches.api._decoder_for(model)
+    for name, backend in (("moegraph", "grouped_mm"), ("moegraph_torch", "torch"), ("moegraph", "grouped_mm")):
+        model.set_experts_implementation(name)
+        assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), want)
+        assert decoder.ops.moe_backend == backend and moegraph.decode_stats(model).fallback_reason is None
+
+
+def test_nf4_experts_run_moegraphs_nf4_path_when_patched():
+    from moegraph.quant.experts import NF4Experts
+
+    model = build_model("tiny", quant="nf4", num_layers=1)
+    experts = [block.experts for block in _blocks(model)]
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size)
+
+    def model_calls(ref):  # the backend probe runs forward_ref on experts of its own
+        return sum(any(call.args[0] is e for e in experts) for call in ref.call_args_list)
+
+    with mock.patch.object(NF4Experts, "forward_ref", autospec=True, side_effect=NF4Experts.forward_ref) as ref:
+        want = _logits(model, inputs)  # unpatched: NF4Experts' own plain-torch forward
+        assert model_calls(ref) == 1
+        ref.reset_mock()
+        moegraph.patch(model)
+        with _spy("moegraph") as ours:
+            got = _logits(model, inputs)
+        assert model_calls(ref) == 0 and ours.call_count == 1
+    assert moegraph.ops.ops_for_experts(experts[0]).experts.__name__ == "moe_experts_nf4_grouped_mm"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
 from ..patches.registry import family_of
@@ -138,11 +139,17 @@ class GraphDecoder:
         device = self.model.device
         if device.type != "cuda" or not self.options.cuda_graphs or self._capture_error is not None:
             return False
-        ops = ops_for_model(self.model, self.options.moe_backend)
+        ops = self._ops()
         if not ops.capture_safe:
             self._warn_once(f"moegraph: the decode step is not capture-safe here; decoding eagerly without CUDA "
                             f"graphs.\n{ops.describe()}")
         return ops.capture_safe
+
+    def _ops(self):
+        """The decode step's op table, for the experts implementation the model dispatches on now (a moegraph
+        name picks the MoE backend; generate() falls back for any other; capture() then uses the patch's)."""
+        backend = backend_of(model_experts_implementation(self.model)) or self.options.moe_backend
+        return ops_for_model(self.model, backend)
 
     def capture(self, batch_size: int | None = None, max_length: int | None = None) -> None:
         """Allocate the static cache and capture the graphs now instead of at the first generate().
@@ -478,6 +485,13 @@ class GraphDecoder:
                         "re-capturing them" if use_graphs else "allocating the static KV cache again")
             rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
             self.release()
+        if self.cache is not None and self._ops() is not self.ops:
+            logger.info("moegraph: the decode ops changed since %s (another moegraph experts implementation: %s); "
+                        "%s", "the decode graphs were captured" if self.graphs is not None and self.graphs.graphs
+                        else "the static KV cache was allocated", model_experts_implementation(self.model),
+                        "re-capturing them" if use_graphs else "allocating the static KV cache again")
+            rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
+            self.release()
         need_rows = bucket_for(rows, self.buckets)
         need_positions = self.options.max_seq_len or round_up(positions, SEQ_ALIGN)
         cache = self.cache
@@ -505,7 +519,7 @@ class GraphDecoder:
             kv_heads=config.num_key_value_heads, head_dim=head_dim,
             dtype=self.model.model.embed_tokens.weight.dtype, device=device)
         self.inputs = StaticInputs.allocate(rows, device)
-        self.ops = ops_for_model(self.model, self.options.moe_backend)
+        self.ops = self._ops()
         self.graphs = BucketGraphs(step=self._forward)
         self._weight_slots = weight_slots(self.model)
         self._weights = weights_signature(self._weight_slots)

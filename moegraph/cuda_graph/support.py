@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..moe.interface import NAME, backend_of, model_experts_implementation
 from .hf_cache import CACHE_ARGUMENTS, unsupported_cache
 
 # generate() parameters that select machinery the fast path does not implement.
@@ -60,6 +61,10 @@ def check_call(model, args: tuple, kwargs: dict) -> str | None:
     cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
     if cache is not None and (reason := unsupported_cache(cache)) is not None:
         return reason
+    experts = model_experts_implementation(model)
+    if backend_of(experts) is None:
+        return (f"experts_implementation={experts!r} set on the model (moegraph's decoder runs moegraph's experts "
+                f"only; model.set_experts_implementation({NAME!r}) puts it back on the fast path)")
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         return f"a model spread over several devices ({sorted(map(str, devices))})"

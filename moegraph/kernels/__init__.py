@@ -8,8 +8,12 @@ import os
 
 from ._triton import HAVE_TRITON
 
+# Read once: Triton itself decides interpreter or compiled when the kernels are decorated (at import), and
+# launchers ask per call (moegraph's experts functions in prefill), which must not read the environment.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def triton_available(tensor) -> bool:
     if not HAVE_TRITON:
         return False
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return tensor.is_cuda or _INTERPRET

@@ -7,6 +7,10 @@ Capture-safe: every shape depends on T and K only. Pairs are grouped by expert o
 a stable sort plus `scatter_add_` counts (never `bincount`/`nonzero`/`.item()`), or in the decode
 step moegraph's counting-sort kernel; the combine is a deterministic gather plus a sum over K in
 float32 (no atomics), so a replayed graph is bit-identical to the eager call.
+
+Under torch.compile the grouped GEMMs go through `moegraph::grouped_mm`, a custom op that runs the same
+kernel: dynamo traces the rest of this function, but grouped_mm's fake (meta) kernel rejects anything but
+bf16 with 16-byte aligned strides (fp32, fp16, small hidden sizes), so the GEMM itself stays opaque.
 """
 
 from types import SimpleNamespace
@@ -19,6 +23,44 @@ from ..kernels.moe_combine import moe_combine_ref
 from ..kernels.silu_mul import silu_mul_ref
 
 _grouped_mm = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@torch.library.custom_op("moegraph::grouped_mm", mutates_args=())
+def grouped_mm_op(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """input [S, K] grouped by expert @ weight [E, K, N] (group e: rows offs[e-1]:offs[e]) -> [S, N]."""
+    return _grouped_mm(input, weight, offs=offs).contiguous()
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_fake(input, weight, offs):
+    return input.new_empty(input.shape[0], weight.shape[-1])
+
+
+@torch.library.custom_op("moegraph::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # an op of its own, so that the backward graph does not meet grouped_mm's fake kernel either
+    grad_input = _grouped_mm(grad, weight.transpose(-2, -1), offs=offs)  # [S, K]
+    grad_weight = _grouped_mm(input.transpose(0, 1), grad, offs=offs)  # [E, K, N]: input_e^T @ grad_e per group
+    return grad_input.contiguous(), grad_weight.contiguous()
+
+
+@_grouped_mm_backward_op.register_fake
+def _grouped_mm_backward_fake(input, weight, offs, grad):
+    return input.new_empty(input.shape), weight.new_empty(weight.shape)
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+
+
+def _grouped_mm_backward(ctx, grad):
+    input, weight, offs = ctx.saved_tensors
+    grad_input, grad_weight = _grouped_mm_backward_op(input, weight, offs, grad)
+    return grad_input, grad_weight, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
 
 
 _REFERENCE_OPS = SimpleNamespace(moe_align=moe_align_ref, silu_mul=silu_mul_ref, moe_combine=moe_combine_ref)
@@ -37,16 +79,25 @@ def moe_experts_grouped_mm(
 ) -> torch.Tensor:
     """ops: where moe_align / silu_mul / moe_combine come from (moegraph's Triton kernels in the
     decode step); default: their plain-torch references, fine for any token count."""
+    return grouped_experts(hidden, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
+                           experts.act_fn, swiglu=getattr(getattr(experts, "config", None), "hidden_act", None) == "silu",
+                           ops=ops)
+
+
+def grouped_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn, swiglu: bool,
+                    ops=None) -> torch.Tensor:
+    """The grouped_mm experts over dense weights gate_up_proj [E, 2I, H], down_proj [E, H, I]; swiglu: the
+    activation is SiLU (one fused silu_mul), else act_fn(gate) * up."""
     ops = ops or _REFERENCE_OPS
-    num_experts = experts.gate_up_proj.shape[0]
-    token_of_slot, position, offsets = ops.moe_align(top_k_index, num_experts)  # [T*K], [T*K], [E]
-    weight_dtype = experts.gate_up_proj.dtype
-    pairs = hidden.index_select(0, token_of_slot).to(weight_dtype)  # [T*K, H], grouped by expert
-    gate_up = _grouped_mm(pairs, experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # [T*K, 2I]
-    if getattr(getattr(experts, "config", None), "hidden_act", None) == "silu":
+    gemm = grouped_mm_op if torch.compiler.is_compiling() else _grouped_mm
+    token_of_slot, position, offsets = ops.moe_align(top_k_index, gate_up_proj.shape[0])  # [T*K], [T*K], [E]
+    pairs = hidden.index_select(0, token_of_slot).to(gate_up_proj.dtype)  # [T*K, H], grouped by expert
+    gate_up = gemm(pairs, gate_up_proj.transpose(-2, -1), offs=offsets)  # [T*K, 2I]
+    if swiglu:
         act = ops.silu_mul(gate_up)  # [T*K, I]
     else:
         gate, up = gate_up.chunk(2, dim=-1)
-        act = experts.act_fn(gate) * up
-    down = _grouped_mm(act, experts.down_proj.transpose(-2, -1), offs=offsets)  # [T*K, H]
+        act = act_fn(gate) * up
+    down = gemm(act, down_proj.transpose(-2, -1), offs=offsets)  # [T*K, H]
     return ops.moe_combine(down, position, top_k_weights, hidden.dtype)

@@ -7,12 +7,11 @@ Shapes as in grouped_mm.py: hidden [T, H], top_k_index [T, K], top_k_weights [T,
 - grouped_mm: the layer's experts are dequantized into one dense [E, 2I, H] / [E, H, I] pair
   (one launch each on CUDA), the grouped GEMMs run on that, and the dense copy is dropped after the
   layer: the caching allocator hands the same block to every layer, so it is one reused buffer.
-- torch: NF4Experts' own forward (dequantize each routed expert; syncs with the host).
+  Under torch.compile the dequantization is the opaque op moegraph::nf4_dense (same kernel), as the GEMMs are.
+- torch: NF4Experts' plain-torch `forward_ref` (dequantize each routed expert; syncs with the host).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -21,23 +20,45 @@ from ..kernels import triton_available
 from ..kernels.moe_align import MAX_PAIRS
 from ..kernels.moe_combine import moe_combine
 from ..kernels.nf4_dequant import nf4_dequantize
-from .grouped_mm import grouped_mm_available, moe_experts_grouped_mm
+from .grouped_mm import grouped_mm_available, grouped_experts
 
 
-def _dense(weight, code: torch.Tensor) -> torch.Tensor:
+def _dense_eager(weight) -> torch.Tensor:
     """An NF4Weight [E, N, K] as a dense tensor in its compute dtype."""
     from ..quant.nf4 import dequantize_nf4
 
     if not triton_available(weight.packed) or not weight.packed.is_cuda:
         return dequantize_nf4(weight)
-    return nf4_dequantize(weight.packed, weight.absmax, code, weight.shape, weight.dtype,
+    return nf4_dequantize(weight.packed, weight.absmax, _code(weight.packed.device), weight.shape, weight.dtype,
                           nested_code=weight.nested_code, nested_absmax=weight.nested_absmax, offset=weight.offset)
+
+
+@torch.library.custom_op("moegraph::nf4_dense", mutates_args=())
+def _nf4_dense_op(packed: torch.Tensor, absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
+                  nested_code: torch.Tensor | None, offset: torch.Tensor | None, shape: list[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    from ..quant.nf4 import NF4Weight
+
+    return _dense_eager(NF4Weight(packed=packed, absmax=absmax, shape=tuple(shape), dtype=dtype,
+                                  nested_absmax=nested_absmax, nested_code=nested_code, offset=offset))
+
+
+@_nf4_dense_op.register_fake
+def _nf4_dense_fake(packed, absmax, nested_absmax, nested_code, offset, shape, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+def _dense(weight) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # opaque to dynamo: the code table, the Triton launch and the chunk loop
+        return _nf4_dense_op(weight.packed, weight.absmax, weight.nested_absmax, weight.nested_code, weight.offset,
+                             list(weight.shape), weight.dtype)
+    return _dense_eager(weight)
 
 
 _CODES: dict[torch.device, torch.Tensor] = {}  # the NF4 table per device, made once (a copy inside a capture fails)
 
 
-def _code(experts: nn.Module, device) -> torch.Tensor:
+def _code(device) -> torch.Tensor:
     code = _CODES.get(device)
     if code is None:
         from ..quant.nf4 import nf4_code
@@ -47,10 +68,9 @@ def _code(experts: nn.Module, device) -> torch.Tensor:
 
 
 def moe_experts_nf4_grouped_mm(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None) -> torch.Tensor:
-    code = _code(experts, hidden.device)
-    dense = SimpleNamespace(gate_up_proj=_dense(experts.gate_up, code), down_proj=_dense(experts.down, code),
-                            config=getattr(experts, "config", None), act_fn=experts.act_fn)
-    return moe_experts_grouped_mm(hidden, top_k_index, top_k_weights, dense, ops)
+    swiglu = getattr(getattr(experts, "config", None), "hidden_act", None) == "silu"
+    return grouped_experts(hidden, top_k_index, top_k_weights, _dense(experts.gate_up), _dense(experts.down),
+                           experts.act_fn, swiglu, ops)
 
 
 def moe_experts_nf4_triton(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None) -> torch.Tensor:
@@ -59,14 +79,14 @@ def moe_experts_nf4_triton(hidden, top_k_index, top_k_weights, experts: nn.Modul
         from ..kernels.nf4_moe import fused_moe_experts_nf4
 
         return fused_moe_experts_nf4(hidden, top_k_index, top_k_weights, _kernel_view(experts.gate_up),
-                                     _kernel_view(experts.down), _code(experts, hidden.device), moe_combine)
+                                     _kernel_view(experts.down), _code(hidden.device), moe_combine)
     if grouped_mm_available():
         return moe_experts_nf4_grouped_mm(hidden, top_k_index, top_k_weights, experts, ops)
     return moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, experts)
 
 
 def moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None) -> torch.Tensor:
-    return experts.forward(hidden, top_k_index, top_k_weights)
+    return experts.forward_ref(hidden, top_k_index, top_k_weights)
 
 
 def _kernel_view(weight):

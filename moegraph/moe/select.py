@@ -42,6 +42,16 @@ EXPERT_FUNCTIONS = {
 }
 
 
+# weight format -> the experts function every backend runs under torch.compile: moegraph's grouped_mm path, whose
+# GEMMs are the opaque op moegraph::grouped_mm. The Triton launchers, the probes and the reference's host syncs
+# (`unique().tolist()`) stay out of traced code, so a compiled forward is one graph (fullgraph=True works).
+COMPILED_EXPERT_FUNCTIONS = {
+    "dense": moe_experts_grouped_mm,
+    "nf4": moe_experts_nf4_grouped_mm,
+}
+COMPILED_REASON = "under torch.compile: moegraph's grouped_mm path, GEMMs as the custom op moegraph::grouped_mm"
+
+
 def expert_function(backend: str, weight_format: str = "dense"):
     return EXPERT_FUNCTIONS[(backend, weight_format)]
 

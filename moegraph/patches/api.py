@@ -1,11 +1,16 @@
 """patch() / unpatch() / is_patched(): what moegraph swaps inside transformers, and how it is undone.
 
+What is patched: the experts implementation the MoE layers dispatch on (moegraph's names in transformers'
+ExpertsInterface, moe/interface.py: the MoE blocks stay transformers' own, so `set_experts_implementation()`
+keeps its meaning and torch.compile traces them), and `generate` (the graph decoder).
 Two scopes:
 - `patch()` with no model wraps the transformers classes of every supported family: explicit and
-  global, it affects every model of those classes, including ones built afterwards.
-- `patch(model)` wraps attributes of that model's own objects only (instance attributes that
-  shadow the class methods); other models in the process are untouched.
-Nothing happens at import time. `unpatch()` restores the very same objects, in reverse order.
+  global, it affects every model of those classes. A model built afterwards that asks for no experts
+  implementation gets moegraph's; one built before, with transformers' default, takes moegraph's at its
+  first generate(); an explicit other choice (e.g. experts_implementation="eager") is kept.
+- `patch(model)` sets that model's experts implementation and wraps its own `generate` (an instance
+  attribute that shadows the class method); other models in the process are untouched.
+Nothing happens at import time. `unpatch()` restores the very same objects and values, in reverse order.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, UnsupportedModelError, UnsupportedVersionError
-from ..moe.block import sparse_moe_forward
+from ..moe.interface import experts_name, model_experts_implementation, register_experts
 from ..ops import ops_for_experts
 from ..options import PatchOptions
+from . import experts as experts_impl
 from .patcher import PatchSet
 from .registry import FAMILIES, family_of
 
@@ -32,6 +38,8 @@ MIN_TRANSFORMERS_MAJOR = 5
 _class_patches = PatchSet()
 _class_options: PatchOptions | None = None
 _models_with_state: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models given a decoder by the class patch
+# models whose experts implementation the class patch chose: model -> (moegraph's name, transformers' choice)
+_class_experts: "weakref.WeakKeyDictionary[nn.Module, tuple[str, str]]" = weakref.WeakKeyDictionary()
 # Set while moegraph itself runs generate: nested calls (fallbacks, HF internals) go straight to transformers.
 _inside_moegraph = contextvars.ContextVar("moegraph_inside_generate", default=False)
 
@@ -72,12 +80,30 @@ def inside_moegraph():
         _inside_moegraph.reset(token)
 
 
-def _moe_forward_wrapper(options: PatchOptions):
+def _default_experts_wrapper(name: str):
+    """get_correct_experts_implementation of a class-patched family: a model asking for none gets `name`."""
+
     def wrapper(wrapped, instance, args, kwargs):
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        return sparse_moe_forward(instance, hidden_states, ops_for_experts(instance.experts, options.moe_backend))
+        requested = args[0] if args else kwargs.get("requested_experts")
+        if requested is not None:
+            return wrapped(*args, **kwargs)
+        _class_experts[instance] = (name, wrapped(*args, **kwargs))  # what unpatch() gives back
+        return name
 
     return wrapper
+
+
+def _adopt(model: nn.Module) -> None:
+    """A model built before the class patch, with transformers' default experts, takes moegraph's (once)."""
+    if model in _class_experts or not len(_class_patches):
+        return
+    current = model_experts_implementation(model)
+    if current == experts_impl.transformers_default(model):
+        name = experts_name(_class_options.moe_backend)
+        experts_impl.write_experts_implementation(model, name)
+        _class_experts[model] = (name, current)
+        logger.info("moegraph: %s was built before moegraph.patch(); its experts implementation %r (transformers' "
+                    "default) becomes %r", type(model).__name__, current, name)
 
 
 def _state_for(model: nn.Module) -> _ModelState:
@@ -86,6 +112,7 @@ def _state_for(model: nn.Module) -> _ModelState:
         state = _ModelState(_class_options or PatchOptions(), patches=None)
         setattr(model, _STATE_ATTR, state)
         _models_with_state.add(model)
+        _adopt(model)
     return state
 
 
@@ -112,8 +139,10 @@ def _patch_classes(options: PatchOptions) -> None:
         if options != _class_options:
             logger.warning("moegraph: classes already patched with %s; keeping those options", _class_options)
         return
+    register_experts()
+    default = _default_experts_wrapper(experts_name(options.moe_backend))
     for family in FAMILIES.values():
-        _class_patches.wrap(family.sparse_block(), "forward", _moe_forward_wrapper(options))
+        _class_patches.wrap(family.pretrained_model(), "get_correct_experts_implementation", default)
         _class_patches.wrap(family.causal_lm(), "generate", _generate_wrapper)
     from ..quant import loading
 
@@ -132,13 +161,10 @@ def _patch_model(model: nn.Module, options: PatchOptions) -> nn.Module:
         experts = next((m.experts for m in model.modules() if isinstance(m, family.sparse_block())), None)
         if experts is not None:
             ops_for_experts(experts, options.moe_backend)
+    register_experts()
     patches = PatchSet()
-    block_class = family.sparse_block()
-    moe_wrapper = _moe_forward_wrapper(options)
-    for module in model.modules():
-        if isinstance(module, block_class):
-            patches.wrap(module, "forward", moe_wrapper)
-    if len(patches) == 0:
+    experts_impl.set_experts_implementation(model, experts_name(options.moe_backend), patches)
+    if not any(isinstance(module, family.sparse_block()) for module in model.modules()):
         logger.warning("moegraph: %s has no %s; nothing to patch in its MoE layers",
                        type(model).__name__, family.sparse_block_class)
     if hasattr(model, "generate") and isinstance(model, family.causal_lm()):
@@ -152,8 +178,10 @@ def _patch_model(model: nn.Module, options: PatchOptions) -> nn.Module:
 def patch(model: nn.Module | None = None, **options) -> nn.Module | None:
     """Make Qwen3-MoE decoding capture-safe and graph-replayed.
 
-    patch(model, ...) patches that model (and returns it); patch() with no model patches the
-    transformers classes, so that every such model (also ones built later) is patched.
+    patch(model, ...) patches that model (and returns it): its experts implementation becomes moegraph's
+    ("moegraph", or "moegraph_<backend>" with moe_backend=) and its generate() decodes through graphs.
+    patch() with no model patches the transformers classes, so that every such model (also ones built
+    later) is patched; an experts implementation asked for explicitly is kept.
     Options: moe_backend="auto"|"grouped_mm"|"triton"|"torch", cuda_graphs=True,
     max_batch_size=16, max_seq_len=None (grow on demand), check_every=8.
     Patching twice changes nothing more.
@@ -174,6 +202,7 @@ def unpatch(model: nn.Module | None = None) -> None:
     if model is None:
         _class_patches.restore()
         _class_options = None
+        _restore_class_experts()
         for m in list(_models_with_state):
             state = vars(m).pop(_STATE_ATTR, None)
             if state is not None:
@@ -189,6 +218,18 @@ def unpatch(model: nn.Module | None = None) -> None:
     _models_with_state.discard(model)
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _restore_class_experts() -> None:
+    """Give every model whose experts the class patch chose transformers' choice back, unless the user chose
+    since; a model that patch(model) holds gets it back from unpatch(model)."""
+    for model, (name, previous) in list(_class_experts.items()):
+        state = vars(model).get(_STATE_ATTR)
+        if state is not None and state.patches is not None:
+            experts_impl.replace_recorded(model, state.patches, name, previous)
+        else:
+            experts_impl.write_experts_implementation(model, previous, where=name)
+    _class_experts.clear()
 
 
 def _patched_decoder(model: nn.Module, what: str):
@@ -214,7 +255,7 @@ def decode_stats(model: nn.Module):
 
 
 def is_patched(model: nn.Module | None = None) -> bool:
-    """With a model: whether its MoE blocks / generate are moegraph's. Without: whether the classes are patched."""
+    """With a model: whether patch(model) or the class patch covers it. Without: whether the classes are patched."""
     if model is None:
         return len(_class_patches) > 0
     state = vars(model).get(_STATE_ATTR)

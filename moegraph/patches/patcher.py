@@ -1,4 +1,4 @@
-"""Records every attribute moegraph replaces, so that unpatch() puts back the very same objects."""
+"""Records every attribute moegraph replaces or sets, so that unpatch() puts back the very same objects."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class _Replacement:
 
 @dataclass
 class PatchSet:
-    """An ordered set of wrapt wrappers; `restore()` undoes them in reverse order."""
+    """An ordered set of wrapt wrappers and set attributes; `restore()` undoes them in reverse order."""
 
     replacements: list[_Replacement] = field(default_factory=list)
 
@@ -29,6 +29,20 @@ class PatchSet:
         target = getattr(owner, name)  # for an instance: the bound method it inherits
         self.replacements.append(_Replacement(owner, name, original))
         setattr(owner, name, wrapt.FunctionWrapper(original if original is not _ABSENT else target, wrapper))
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        """Set owner.name to a plain value (e.g. a config's experts implementation), recording what was there."""
+        self.replacements.append(_Replacement(owner, name, vars(owner).get(name, _ABSENT)))
+        setattr(owner, name, value)
+
+    def replace_original(self, owner: Any, name: str, old: Any, new: Any) -> None:
+        """Make restore() put back `new` where it would put back `old` for owner.name (the value it found there
+        was another patch's, undone since)."""
+        for rep in self.replacements:
+            if rep.owner is owner and rep.name == name:
+                if rep.original == old:
+                    rep.original = new
+                return
 
     def restore(self) -> None:
         for rep in reversed(self.replacements):

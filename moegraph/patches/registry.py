@@ -1,6 +1,6 @@
 """Model families moegraph accelerates, keyed by `config.model_type`.
 
-Adding a family is one entry here (and, if its blocks differ, one small forward in moe/).
+Adding a family is one entry here (and, if its blocks differ, one small decode step in cuda_graph/).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from ..errors import UnsupportedModelError
 class ModelFamily:
     model_type: str
     modeling_module: str  # where transformers defines the classes below
-    sparse_block_class: str  # its forward is replaced by moe.sparse_moe_forward
+    sparse_block_class: str  # router + experts; the experts dispatch through transformers' ExpertsInterface
     causal_lm_class: str  # its generate is wrapped by the graph decoder
+    pretrained_class: str  # the family's PreTrainedModel: the class-level patch makes moegraph its default experts
 
     def module(self):
         return importlib.import_module(self.modeling_module)
@@ -27,6 +28,9 @@ class ModelFamily:
     def causal_lm(self) -> type:
         return getattr(self.module(), self.causal_lm_class)
 
+    def pretrained_model(self) -> type:
+        return getattr(self.module(), self.pretrained_class)
+
 
 FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily(
@@ -34,6 +38,7 @@ FAMILIES: dict[str, ModelFamily] = {
         modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
         sparse_block_class="Qwen3MoeSparseMoeBlock",
         causal_lm_class="Qwen3MoeForCausalLM",
+        pretrained_class="Qwen3MoePreTrainedModel",
     ),
 }
 

@@ -1,7 +1,8 @@
 """NF4 experts: a drop-in replacement for transformers' fused experts modules, and the model-wide swap.
 
 `NF4Experts.forward(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` has the signature of
-transformers' experts (`Qwen3MoeExperts`); it is plain torch (each routed expert dequantized once, then
+transformers' experts (`Qwen3MoeExperts`) and dispatches like them: a moegraph experts implementation named by the
+config runs moegraph's NF4 path; otherwise `forward_ref`, plain torch (each routed expert dequantized once, then
 gate/up/act/down as transformers does, the weighted sum accumulated in float32), so a model quantized by moegraph
 still runs where moegraph is not patched. It is not capture-safe (it asks the host which experts were routed);
 moegraph's decode step uses its own NF4 kernels on the same buffers.
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..moe.interface import backend_of, experts_registry
 from .nf4 import COMPUTE_DTYPES, NF4Weight, check_nf4_shape, dequantize_nf4, quantize_nf4
 
 logger = logging.getLogger("moegraph")
@@ -143,6 +145,19 @@ class NF4Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' experts signature. NF4Experts has no `@use_experts_implementation`: where the config names
+        one of moegraph's experts implementations (moegraph.patch() sets it) that one runs, from transformers'
+        ExpertsInterface as a transformers experts module would; any other name has no NF4 form: `forward_ref`."""
+        name = getattr(self.config, "_experts_implementation", None)
+        if backend_of(name) is not None:
+            registry = experts_registry()
+            if name in registry:
+                return registry[name](self, hidden_states, top_k_index, top_k_weights)
+        return self.forward_ref(hidden_states, top_k_index, top_k_weights)
+
+    def forward_ref(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Plain torch: each routed expert dequantized once (syncs with the host, not capture-safe)."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         gate_up, down = self.gate_up, self.down
         for expert in top_k_index.unique().tolist():  # host sync: this path is the unpatched fallback
