@@ -29,7 +29,7 @@ def decode_ms(model, batch_size, new_tokens):
     return 1e3 * stats.decode_seconds / max(stats.steps - 1, 1), 1e3 * stats.prefill_seconds, stats.graphs
 
 
-def kernels_of_one_step(model, batch_size=1):
+def kernels_of_one_step(model, label, batch_size=1, top=14):
     moegraph.patch(model, max_batch_size=8)
     inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, device="cuda")
     model.generate(**inputs, max_new_tokens=4)
@@ -45,10 +45,11 @@ def kernels_of_one_step(model, batch_size=1):
             by_name[e.name][1] += e.device_time
     total = sum(t for _, t in by_name.values())
     count = sum(c for c, _ in by_name.values())
-    print(f"NF4 eager step bs {batch_size}: {count} kernels, {count / model.config.num_hidden_layers:.1f} per layer, "
-          f"{total / 1e3:.2f} ms kernel time")
-    for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]:
-        print(f"  {100 * t / total:5.1f}% {c:4d}x {name[:90]}")
+    layers = model.config.num_hidden_layers
+    print(f"{label} eager step bs {batch_size}: {count} kernels, {count / layers:.1f} per layer, "
+          f"{total / 1e3:.2f} ms kernel time ({total / layers:.1f} us per layer)")
+    for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {100 * t / total:5.1f}% {c:4d}x {t / c:7.2f} us {name[:80]}")
 
 
 def main():
@@ -60,13 +61,16 @@ def main():
     model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = [("bf16", bs, *decode_ms(model, bs, args.new_tokens)) for bs in sizes]
+    for bs in sizes:
+        kernels_of_one_step(model, "bf16", bs)
     dense_gb = torch.cuda.memory_allocated() / 1e9
     quantize_projections(model)
     quantize_experts(model)
     torch.cuda.empty_cache()
     nf4_gb = torch.cuda.memory_allocated() / 1e9
     rows += [("nf4", bs, *decode_ms(model, bs, args.new_tokens)) for bs in sizes]
-    kernels_of_one_step(model)
+    for bs in sizes:
+        kernels_of_one_step(model, "NF4", bs)
     print(f"layers={args.num_layers}: memory bf16 {dense_gb:.2f} GB -> NF4 {nf4_gb:.2f} GB")
     print(f"{'weights':>7} {'bs':>3} {'ms/step':>8} {'prefill ms':>10} graphs")
     for name, bs, ms, prefill, graphs in rows:

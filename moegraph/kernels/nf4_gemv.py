@@ -3,9 +3,11 @@
 nf4_linear(x [M, K], packed uint8 [N*K/2] (any shape, e.g. Linear4bit's [N*K/2, 1]), absmax float32
 [N*K/64] (or uint8 with nested_code / nested_absmax / offset), code float32 [16], N, K, bias [N] or None)
 -> [M, N] in x.dtype. Meant for M = 1..16 (attention projections, one decode step).
-W is dequantized in registers (0.5 byte per weight plus its absmax, read once per program), rounded to
-x.dtype like a dequantize-then-matmul in that dtype, multiplied in float32 with float32 accumulation;
-the bias is added in float32 before the one rounding of the output. Layout and helpers: _nf4.py.
+W is dequantized in registers (0.5 byte per weight plus its absmax, read once per program) and multiplied
+in float32 with float32 accumulation; the bias is added in float32 before the one rounding of the output.
+The multiply-add path (one x row) computes with the exact float32 NF4 values (code x absmax, the absmax
+applied once per 64-block); the tensor-core path rounds them to x.dtype first, as a dequantize-then-matmul
+in that dtype does (_nf4.py says why). Layout and helpers: _nf4.py.
 Small N gives few programs, so K is split over SPLIT_K programs (SPLIT_K chosen from the shapes only) whose
 float32 partials a second launch sums in a fixed order: no atomics, so a replayed CUDA graph is
 bit-identical to the eager call.
@@ -107,6 +109,10 @@ def _choose_split_k(programs: int, k_steps: int) -> int:
     return split
 
 
+def _uses_dot(rows_m: int, cfg: NF4LinearConfig) -> bool:
+    return cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
+
+
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, N: int, K: int,
                bias: Optional[torch.Tensor] = None, *, nested_code: Optional[torch.Tensor] = None,
                nested_absmax: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
@@ -121,7 +127,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
                                    f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
     cfg = config or NF4LinearConfig()
     rows_m = x.shape[0]
-    use_dot = cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
+    use_dot = _uses_dot(rows_m, cfg)
     block_n = cfg.block_n or (DOT_BLOCK_N if use_dot else BLOCK_N)
     if cfg.block_k % 64 or block_n < 16:
         raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
@@ -151,8 +157,11 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 def nf4_linear_ref(x, packed, absmax, code, N, K, bias=None, *, nested_code=None, nested_absmax=None, offset=None,
                    config=None):
-    """Dequantize to x.dtype in torch, multiply in float32, add the bias in float32, round once."""
-    weight = dequantize_nf4_ref(NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code, x.dtype)
+    """Dequantize in torch (to x.dtype where the kernel takes the tensor-core path, to float32 on the multiply-add
+    path), multiply in float32, add the bias in float32, round once."""
+    weight_dtype = x.dtype if _uses_dot(x.shape[0], config or NF4LinearConfig()) else torch.float32
+    weight = dequantize_nf4_ref(NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code,
+                                weight_dtype)
     out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()

@@ -2,15 +2,17 @@
 
 fused_moe_experts_nf4(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up NF4Tensors (E, 2I, H),
 down NF4Tensors (E, H, I), code float32 [16], combine) -> [T, H] in hidden.dtype (the compute dtype).
-The NF4 form of fused_moe.py: the same pair grouping (align_blocks, blocks of BLOCK_M slots of one expert)
-and the same roundings (gate and up rounded to the compute dtype, silu rounded, times up, rounded; the
-down projection rounded; float32 accumulation everywhere), with each weight tile dequantized in registers
-(0.5 byte per weight plus one absmax per 64, read once per expert tile; layout and helpers in _nf4.py).
+The NF4 form of fused_moe.py, with the same roundings (gate and up rounded to the compute dtype, silu
+rounded, times up, rounded; the down projection rounded; float32 accumulation everywhere), with each
+weight tile dequantized in registers
+(0.5 byte per weight plus one absmax per 64, read once per expert tile; layout and helpers in _nf4.py):
+exact float32 NF4 values on the multiply-add path, rounded to the compute dtype on the tensor-core path.
 Two paths, chosen from T alone (so one per captured graph):
-- multiply-add (T < DOT_MIN_TOKENS): one program per (token, expert) pair and column tile, nothing padded to
-  16 rows; an expert routed twice is read twice, the second time mostly from L2;
-- dot: one program per (expert block, column tile), tensor cores on [weight tile] @ [x of the block's 16
-  slots]^T; idle blocks exit at once (grid sized like fused_moe.py).
+- multiply-add (T < DOT_MIN_TOKENS): one program per (token, expert) pair and column tile, rows kept in
+  pair order (no grouping launch; moe_combine reads them in that order), nothing padded to 16 rows; an
+  expert routed twice is read twice, the second time mostly from L2;
+- dot: pairs grouped by expert (align_blocks), one program per (expert block, column tile), tensor cores
+  on [weight tile] @ [x of the block's 16 slots]^T; idle blocks exit at once (grid sized like fused_moe.py).
 Capture-safe: grids and buffers sized from T, K, E only, no host sync, no atomics.
 """
 
@@ -51,7 +53,7 @@ class NF4MoEConfig:
 
 
 @triton.jit
-def _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K: tl.constexpr,
+def _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """(expert, slots, tokens, valid) of this program; expert < 0: idle. [BLOCK_M] each with USE_DOT, else scalars."""
     if USE_DOT:
@@ -60,10 +62,10 @@ def _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP
         slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
         tokens = tl.load(slot_token_ptr + slots)  # -1: padding slot
         valid = tokens >= 0
-    else:
+    else:  # rows in pair order: no grouping by expert
         pair = tl.program_id(0)
         expert = tl.load(expert_ptr + pair)
-        slots = tl.load(position_ptr + pair)
+        slots = pair
         tokens = pair // TOP_K
         valid = tokens >= 0
     return expert, slots, tokens, valid
@@ -79,13 +81,13 @@ def _store_rows(ptr, tile, slots, valid, n, n_mask, stride, USE_DOT: tl.constexp
 
 
 @triton.jit
-def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, act_ptr, w_ptr,
+def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, act_ptr, w_ptr,
                              absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter,
                              row_bytes, stride_we, blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                              NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
-    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
+    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
         return
@@ -108,12 +110,12 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, position_p
 
 
 @triton.jit
-def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, out_ptr, w_ptr, absmax_ptr,
+def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_ptr, w_ptr, absmax_ptr,
                      nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter, row_bytes, stride_we,
                      blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                      ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
-    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, position_ptr, expert_ptr, TOP_K,
+    expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
         return
@@ -132,16 +134,22 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, position_ptr, ex
 
 
 def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
-    slot_token, block_expert, position, experts = routing
+    slot_token, block_expert, experts = routing
+    if slot_token is None:  # pair order: the kernels never read the grouping
+        slot_token = block_expert = experts
     launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
     kernel[grid](
-        inputs, slot_token, block_expert, position, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
+        inputs, slot_token, block_expert, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=out.is_cuda and w.nested, LOOKUP=cfg.lookup, **launch)
+
+
+def _uses_dot(tokens: int, cfg: NF4MoEConfig) -> bool:
+    return cfg.use_dot if cfg.use_dot is not None else tokens >= DOT_MIN_TOKENS
 
 
 def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -163,16 +171,20 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < 16:
         raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
     tokens, top_k = top_k_index.shape
-    use_dot = cfg.use_dot if cfg.use_dot is not None else tokens >= DOT_MIN_TOKENS
-    position, slot_token, block_expert = align_blocks(top_k_index, num_experts)
+    use_dot = _uses_dot(tokens, cfg)
     experts = top_k_index.reshape(-1).contiguous()
-    routing = (slot_token, block_expert, position, experts)
-    programs = block_expert.numel() if use_dot else experts.numel()
+    if use_dot:
+        position, slot_token, block_expert = align_blocks(top_k_index, num_experts)
+        programs, slots = block_expert.numel(), slot_token.numel()
+    else:  # one program per pair, rows in pair order: nothing to group (the grouping launch took ~11 us)
+        position = slot_token = block_expert = None
+        programs = slots = experts.numel()
+    routing = (slot_token, block_expert, experts)
     x = hidden.contiguous()
-    act = torch.empty(slot_token.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
+    act = torch.empty(slots, inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
     _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
             cfg.gate_up_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
-    out = torch.empty(slot_token.numel(), hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
+    out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
             cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
     return combine(out, position, top_k_weights, hidden.dtype)
@@ -180,13 +192,16 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
 
 def fused_moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, gate_up: NF4Tensors, down: NF4Tensors, code,
                               combine=None, config=None):
-    """Dequantize each routed expert to hidden.dtype in torch, then the kernels' math and roundings."""
+    """Dequantize each routed expert in torch (to hidden.dtype where the kernels take the tensor-core path, to
+    float32 on the multiply-add path), then the kernels' math and roundings."""
     dtype = hidden.dtype
+    # the multiply-add path computes with the float32 NF4 values, the tensor-core path with them rounded to dtype
+    weight_dtype = dtype if _uses_dot(top_k_index.shape[0], config or NF4MoEConfig()) else torch.float32
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for e in top_k_index.unique().tolist():
         token, slot = (top_k_index == e).nonzero(as_tuple=True)
-        w_gate_up = dequantize_nf4_ref(_expert(gate_up, e), code, dtype).float()  # [2I, H]
-        w_down = dequantize_nf4_ref(_expert(down, e), code, dtype).float()  # [H, I]
+        w_gate_up = dequantize_nf4_ref(_expert(gate_up, e), code, weight_dtype).float()  # [2I, H]
+        w_down = dequantize_nf4_ref(_expert(down, e), code, weight_dtype).float()  # [H, I]
         gate, up = (hidden[token].float() @ w_gate_up.T).to(dtype).float().chunk(2, dim=-1)
         act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype).float()
         y = (act @ w_down.T).to(dtype).float()

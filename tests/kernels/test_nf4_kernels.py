@@ -70,9 +70,9 @@ def test_nf4_linear(use_dot, nested, dtype, rows_m, n, k, bias):
     x = torch.randn(rows_m, k, generator=_gen(1)).to(DEVICE, dtype)
     b = torch.randn(n, generator=_gen(2)).to(DEVICE, dtype) if bias else None
     code = nf4_code(DEVICE)
-    got = nf4_linear(x, w.packed, w.absmax, code, n, k, b, config=NF4LinearConfig(use_dot=use_dot, block_n=32, block_k=64),
-                     **_linear_args(w))
-    want = nf4_linear_ref(x, w.packed, w.absmax, code, n, k, b, **_linear_args(w))
+    config = NF4LinearConfig(use_dot=use_dot, block_n=32, block_k=64)
+    got = nf4_linear(x, w.packed, w.absmax, code, n, k, b, config=config, **_linear_args(w))
+    want = nf4_linear_ref(x, w.packed, w.absmax, code, n, k, b, config=config, **_linear_args(w))
     assert _rel(got, want) < REL_TOL[dtype]
 
 
@@ -119,8 +119,9 @@ def test_fused_moe_experts_nf4(use_dot, nested, dtype, tokens, inter):
     index = torch.rand(tokens, experts - 1, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE, dtype)
     code = nf4_code(DEVICE)
-    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(use_dot=use_dot, **TILES))
-    want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code)
+    config = NF4MoEConfig(use_dot=use_dot, **TILES)
+    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
+    want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)
     assert _rel(got, want) < REL_TOL[dtype]
 
 
@@ -131,16 +132,16 @@ def test_every_code_lookup(lookup, use_dot):
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 48, 128, True, seed=40)
     x = torch.randn(3, 128, generator=_gen(41)).to(DEVICE, torch.float16)
-    got = nf4_linear(x, w.packed, w.absmax, code, 48, 128, config=NF4LinearConfig(use_dot=use_dot, lookup=lookup),
-                     **_linear_args(w))
-    assert _rel(got, nf4_linear_ref(x, w.packed, w.absmax, code, 48, 128, **_linear_args(w))) < 2e-4
+    config = NF4LinearConfig(use_dot=use_dot, lookup=lookup)
+    got = nf4_linear(x, w.packed, w.absmax, code, 48, 128, config=config, **_linear_args(w))
+    assert _rel(got, nf4_linear_ref(x, w.packed, w.absmax, code, 48, 128, config=config, **_linear_args(w))) < 2e-4
     gate_up, down = _random_nf4(4, 128, 64, False, seed=42), _random_nf4(4, 64, 64, False, seed=43)
     x = torch.randn(3, 64, generator=_gen(44)).to(DEVICE, torch.float16)
     index = torch.rand(3, 3, generator=_gen(45)).topk(2, dim=-1).indices.to(DEVICE)
     weights = torch.rand(3, 2, generator=_gen(46)).to(DEVICE, torch.float16)
-    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine,
-                                NF4MoEConfig(use_dot=use_dot, lookup=lookup, **TILES))
-    assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code)) < 2e-4
+    config = NF4MoEConfig(use_dot=use_dot, lookup=lookup, **TILES)
+    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
+    assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)) < 2e-4
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bf16 rounding only")
@@ -168,11 +169,13 @@ def test_bf16_is_exact_under_interpreter_rounding(monkeypatch):
                        config=NF4LinearConfig(use_dot=use_dot, block_n=32, block_k=64), **_linear_args(w))
             for use_dot in (False, True)]
     monkeypatch.setattr(torch.Tensor, "to", truncating_to)
-    want_moe = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code)
-    want_linear = nf4_linear_ref(x_linear, w.packed, w.absmax, code, 48, 96, bias, **_linear_args(w))
+    want = [fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=NF4MoEConfig(use_dot=use_dot))
+            for use_dot in (False, True)]
+    want += [nf4_linear_ref(x_linear, w.packed, w.absmax, code, 48, 96, bias,
+                            config=NF4LinearConfig(use_dot=use_dot), **_linear_args(w)) for use_dot in (False, True)]
     monkeypatch.undo()
-    for g, want in zip(got, [want_moe, want_moe, want_linear, want_linear]):
-        assert torch.equal(g, want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("nested", [False, True])
