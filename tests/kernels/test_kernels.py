@@ -104,6 +104,38 @@ def test_moe_align_is_a_stable_grouping(tokens, top_k, experts):
     assert int(offsets[-1]) == flat.numel()
 
 
+def test_moe_combine_in_pair_order():
+    """position None: row t*K + k of expert_out is pair (t, k), the same as the identity permutation."""
+    expert_out = _randn(3 * 4, 40, dtype=torch.float32, seed=15)
+    weights = torch.rand(3, 4, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    identity = torch.arange(12, device=DEVICE)
+    want = moe_combine.moe_combine_ref(expert_out, identity, weights, torch.float32)
+    assert torch.equal(moe_combine.moe_combine(expert_out, None, weights, torch.float32), want)
+    assert torch.equal(moe_combine.moe_combine_ref(expert_out, None, weights, torch.float32), want)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (2, 8, 128), (5, 2, 8), (40, 8, 128), (9, 4, 60)])
+def test_align_blocks_groups_pairs_in_blocks_of_one_expert(tokens, top_k, experts):
+    """Every pair in its expert's blocks, in pair order within the expert; padding and idle blocks marked -1."""
+    from moegraph.kernels.fused_moe import BLOCK_M, align_blocks
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    index[0] = index[-1]  # repeated expert sets: several pairs share experts
+    position, slot_token, block_expert = (t.cpu() for t in align_blocks(index.to(DEVICE), experts))
+    flat = index.reshape(-1)
+    assert position.unique().numel() == flat.numel()
+    assert torch.equal(slot_token[position], torch.arange(flat.numel()) // top_k)
+    assert torch.equal(block_expert[position // BLOCK_M], flat.to(block_expert.dtype))
+    expected_blocks = sum(-(-int(c) // BLOCK_M) for c in torch.bincount(flat, minlength=experts))
+    assert torch.equal(block_expert[:expected_blocks], block_expert[:expected_blocks].sort().values)  # by expert
+    assert (block_expert[expected_blocks:] == -1).all() and (block_expert[:expected_blocks] >= 0).all()
+    assert int((slot_token >= 0).sum()) == flat.numel()
+    for e in flat.unique().tolist():  # stable: pairs of one expert keep their order
+        slots = position[flat == e]
+        assert torch.equal(slots, slots.sort().values)
+
+
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
 @pytest.mark.parametrize("rows, inter", [(1, 768), (7, 32), (64, 300)])
 def test_silu_mul(dtype, atol, rtol, rows, inter):
