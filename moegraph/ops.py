@@ -55,6 +55,7 @@ class OpTable:
     moe_combine: Callable
     experts: Callable  # (hidden [T, H], top_k_index [T, K], top_k_weights [T, K], experts, ops) -> [T, H]
     linear: Callable  # (module, x) -> module(x) for a projection
+    qkv: Callable  # (attention module, x) -> (q_proj(x), k_proj(x), v_proj(x))
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
 
     def describe(self) -> str:
@@ -85,19 +86,50 @@ def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 MAX_GEMV_ROWS = 16  # nf4_linear is a decode GEMV; more rows (prefill-sized) go to bitsandbytes' own forward
 
 
-def _nf4_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A bitsandbytes NF4 Linear4bit through moegraph's capture-safe GEMV; anything else through its forward."""
+def _gemv_state(module: nn.Module, x: torch.Tensor):
+    """The bitsandbytes quant state of a Linear4bit that moegraph's NF4 GEMV takes for x, else None."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     if state is None or state.quant_type != "nf4" or state.blocksize != 64 or x.shape[0] > MAX_GEMV_ROWS:
+        return None
+    return state
+
+
+def _compute_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
+    return getattr(module, "compute_dtype", None) or x.dtype
+
+
+def _nf4_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes NF4 Linear4bit through moegraph's capture-safe GEMV; anything else through its forward."""
+    state = _gemv_state(module, x)
+    if state is None:
         return module(x)
     from .kernels.nf4_gemv import nf4_linear
 
-    compute = getattr(module, "compute_dtype", None) or x.dtype
     nested = dict(nested_code=state.state2.code, nested_absmax=state.state2.absmax,
                   offset=state.offset) if state.nested else {}
-    out = nf4_linear(x.to(compute), module.weight.data, state.absmax, state.code, state.shape[0], state.shape[1],
-                     module.bias, **nested)
+    out = nf4_linear(x.to(_compute_dtype(module, x)), module.weight.data, state.absmax, state.code, state.shape[0],
+                     state.shape[1], module.bias, **nested)
     return out.to(x.dtype)
+
+
+def _qkv_one_by_one(linear: Callable, attn: nn.Module, x: torch.Tensor):
+    return linear(attn.q_proj, x), linear(attn.k_proj, x), linear(attn.v_proj, x)
+
+
+def _nf4_gemv_qkv(attn: nn.Module, x: torch.Tensor):
+    """q, k, v Linear4bit projections in one NF4 GEMV launch where they allow it (NF4, no bias, one compute dtype,
+    all double-quantized or none); otherwise one by one."""
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    states = [_gemv_state(m, x) for m in modules]
+    dtypes = {_compute_dtype(m, x) for m in modules}
+    if (any(s is None for s in states) or any(m.bias is not None for m in modules) or len(dtypes) != 1
+            or len({s.nested for s in states}) != 1):
+        return _qkv_one_by_one(_nf4_gemv_linear, attn, x)
+    from .kernels.nf4_gemv import NF4Tensors, nf4_linear_group
+
+    weights = [NF4Tensors.from_bnb(m.weight.data, s) for m, s in zip(modules, states)]
+    outs = nf4_linear_group(x.to(dtypes.pop()), weights, states[0].code)
+    return tuple(out.to(x.dtype) for out in outs)
 
 
 def _choose_kernels(device: torch.device, head_dim: int, kernels: str) -> tuple[dict, str, str]:
@@ -128,11 +160,15 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     small_ops, kernel_name, kernel_why = _choose_kernels(device, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
     if formats.projections == LINEAR4BIT and kernel_name == "triton":
-        linear, linear_name, linear_why = _nf4_gemv_linear, "triton", "moegraph's NF4 GEMV for Linear4bit weights"
+        linear, linear_name, linear_why = (_nf4_gemv_linear, "triton", "moegraph's NF4 GEMV for Linear4bit weights "
+                                           "(q, k and v in one launch)")
+        qkv = _nf4_gemv_qkv
     elif formats.projections == LINEAR4BIT:
         linear, linear_name, linear_why = _module_linear, "bnb", "bitsandbytes Linear4bit forward"
+        qkv = functools.partial(_qkv_one_by_one, linear)
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
+        qkv = functools.partial(_qkv_one_by_one, linear)
     reasons = (
         ("norms", kernel_name, kernel_why),
         ("qk_norm_rope", kernel_name, kernel_why),
@@ -143,7 +179,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     )
     return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
                    capture_safe=backend.capture_safe and device.type == "cuda",
-                   experts=expert_function(backend.name, formats.experts), linear=linear, reasons=reasons,
+                   experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv, reasons=reasons,
                    **small_ops)
 
 

@@ -55,10 +55,9 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     rows = hidden.shape[0]
     head_dim = attn.head_dim
     key_cache, value_cache = key_cache[:rows], value_cache[:rows]
-    q = ops.qk_norm_rope(ops.linear(attn.q_proj, hidden), ops.linear(attn.k_proj, hidden),
-                         ops.linear(attn.v_proj, hidden), attn.q_norm.weight,
-                         attn.k_norm.weight, cos, sin, positions, key_cache, value_cache,
-                         attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
+    q, k, v = ops.qkv(attn, hidden)
+    q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
+                         value_cache, attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
     # One query token per row: fold the query heads of each KV group into the query-length axis,
     # so attention reads each cached K/V once instead of expanding it per query head.
     q = q.reshape(rows, key_cache.shape[1], -1, head_dim)  # [b, Hkv, G, D]

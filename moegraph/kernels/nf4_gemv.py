@@ -15,7 +15,7 @@ Capture-safe: grid and partial buffer sized from the shapes, no host sync.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check
 from ._triton import tl, triton
 
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
-           "nf4_linear_ref"]
+           "nf4_linear_group", "nf4_linear_ref"]
 
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, K=2048 -> N=4096:
 BLOCK_N = 16  # rows per program, multiply-add path (M = 1): 9.2 us against 11.2 at 32 rows, 14.9 at 64
@@ -72,21 +72,60 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                          code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
                          False)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
-    if USE_DOT:
-        offs = m[None, :] * N + rows[:, None]
-        mask = row_mask[:, None] & m_mask[None, :]
-    else:
-        offs = m * N + rows
-        mask = row_mask
     if SPLIT:
+        offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
     else:
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            if USE_DOT:
-                bias = bias[:, None]
-            acc += bias
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
+
+
+@triton.jit
+def _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT: tl.constexpr):
+    if USE_DOT:  # acc [BLOCK_N, BLOCK_M]
+        return m[None, :] * N + rows[:, None], row_mask[:, None] & m_mask[None, :]
+    return m * N + rows, row_mask
+
+
+@triton.jit
+def _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[m, rows] = acc (+ bias, in float32), rounded once."""
+    offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if USE_DOT:
+            bias = bias[:, None]
+        acc += bias
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, N0, w1, a1, nc1, na1, o1, out1, N1, w2, a2, nc2,
+                             na2, o2, out2, N2, tiles0, tiles01, code_ptr, M, row_bytes, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                             DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
+                             EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+    """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
+    [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums."""
+    tile = tl.program_id(0)
+    if tile < tiles0:
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w0, a0, nc0, na0, o0, out0, N0
+    elif tile < tiles01:
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w1, a1, nc1, na1, o1, out1, N1
+        tile -= tiles0
+    else:
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w2, a2, nc2, na2, o2, out2, N2
+        tile -= tiles01
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    if USE_DOT:
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    else:
+        m = tl.program_id(1)
+    m_mask = m < M
+    acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                         code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
+                         BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False)
+    _store_out(out_ptr, acc, out_ptr, m, m_mask, rows, row_mask, N, USE_DOT, False)
 
 
 @triton.jit
@@ -153,6 +192,44 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
     return out
+
+
+MAX_GROUP = 3  # weights per grouped launch (q, k, v)
+
+
+def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch.Tensor,
+                     config: Optional[NF4LinearConfig] = None) -> list[torch.Tensor]:
+    """[x @ W_i^T for each W_i] in one launch, for up to MAX_GROUP NF4 weights (N_i, K) of one K, all plain or
+    all nested (no bias). Each equals nf4_linear(x, W_i) computed without a split of K."""
+    op = "nf4_linear_group"
+    check_compute_dtype(op, x)
+    if not 1 <= len(weights) <= MAX_GROUP:
+        raise InvalidArgumentError(f"{op}: takes 1 to {MAX_GROUP} weights, got {len(weights)}")
+    K = x.shape[-1] if x.dim() == 2 else -1
+    views = [check_nf4(op, w, code, x.device) for w in weights]
+    if x.dim() != 2 or any(v.experts != 1 or v.cols != K for v in views) or len({v.nested for v in views}) != 1:
+        raise InvalidArgumentError(f"{op}: x [M, K] and weights (N_i, K) of one K, all nested or none; got x "
+                                   f"{tuple(x.shape)}, weights {[tuple(w.shape) for w in weights]}")
+    cfg = config or NF4LinearConfig()
+    rows_m = x.shape[0]
+    use_dot = _uses_dot(rows_m, cfg)
+    block_n = cfg.block_n or (DOT_BLOCK_N if use_dot else BLOCK_N)
+    block_m = DOT_BLOCK_M if use_dot else 1
+    x = x.contiguous()
+    outs = [torch.empty(rows_m, v.rows, dtype=x.dtype, device=x.device) for v in views]
+    tiles = [triton.cdiv(v.rows, block_n) for v in views]
+    padded = list(zip(views, outs)) + [(views[0], outs[0])] * (MAX_GROUP - len(views))  # never reached: no tiles
+    args = [a for v, out in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out,
+                                              v.rows)]
+    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
+        x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
+        ALIGNED=views[0].aligned, NESTED=views[0].nested,
+        EXACT_MUL=x.is_cuda and views[0].nested, LOOKUP=cfg.lookup, **launch)
+    return outs
 
 
 def nf4_linear_ref(x, packed, absmax, code, N, K, bias=None, *, nested_code=None, nested_absmax=None, offset=None,

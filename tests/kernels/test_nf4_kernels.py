@@ -6,13 +6,15 @@ rounding to nearest even: bf16 is checked loosely against the reference there, a
 reference computed with the interpreter's rounding (test_bf16_is_exact_under_interpreter_rounding).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moegraph.errors import InvalidArgumentError
 from moegraph.kernels import triton_available
 from moegraph.kernels.moe_combine import moe_combine
-from moegraph.kernels.nf4_gemv import NF4LinearConfig, nf4_linear, nf4_linear_ref
+from moegraph.kernels.nf4_gemv import NF4LinearConfig, nf4_linear, nf4_linear_group, nf4_linear_ref
 from moegraph.kernels.nf4_moe import (NF4_CODE, NF4MoEConfig, NF4Tensors, dequantize_nf4_ref, fused_moe_experts_nf4,
                                       fused_moe_experts_nf4_ref, nf4_code)
 
@@ -102,6 +104,24 @@ def test_nf4_linear_split_k_is_deterministic():
     whole = nf4_linear(x, w.packed, w.absmax, code, n, k, config=NF4LinearConfig(block_k=64, split_k=1))
     assert torch.equal(split[0], split[1])
     assert _rel(split[0], whole) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+def test_nf4_linear_group_equals_one_launch_per_weight(use_dot, nested):
+    """q, k, v in one launch: each output equal, bit for bit, to nf4_linear of that weight without a K split."""
+    k = 128
+    weights = [_random_nf4(None, n, k, nested, seed=50 + n) for n in (32, 16, 48)]
+    x = torch.randn(3 if use_dot else 1, k, generator=_gen(51)).to(DEVICE, torch.float16)
+    code = nf4_code(DEVICE)
+    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64)
+    got = nf4_linear_group(x, weights, code, config)
+    for g, w in zip(got, weights):
+        want = nf4_linear(x, w.packed, w.absmax, code, w.shape[0], k, config=replace(config, split_k=1),
+                          **_linear_args(w))
+        assert torch.equal(g, want)
+    with pytest.raises(InvalidArgumentError, match="one K"):
+        nf4_linear_group(x, [weights[0], _random_nf4(None, 16, 64, nested, seed=52)], code)
 
 
 @pytest.mark.parametrize("use_dot", [False, True])

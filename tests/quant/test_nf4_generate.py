@@ -42,3 +42,20 @@ def test_nf4_probe_runs_the_nf4_experts():
 
     choice = describe_moe_backend("cpu", torch.float32, "auto", "nf4")
     assert choice.name == "grouped_mm" and "runs eagerly" in choice.reason
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_nf4_qkv_in_one_launch_equals_the_three_linear4bit_forwards(model, monkeypatch, rows):
+    """The op table's qkv runs the three Linear4bit projections through one grouped NF4 GEMV launch."""
+    from moegraph.kernels import nf4_gemv
+
+    ops = ops_for_model(model, kernels="triton")  # Triton's interpreter on the CPU
+    launches = []
+    group = nf4_gemv.nf4_linear_group
+    monkeypatch.setattr(nf4_gemv, "nf4_linear_group", lambda *a, **k: launches.append(1) or group(*a, **k))
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    got = ops.qkv(attn, x)
+    assert launches == [1]
+    for g, module in zip(got, (attn.q_proj, attn.k_proj, attn.v_proj)):
+        torch.testing.assert_close(g, module(x), atol=1e-4, rtol=1e-4)
