@@ -82,8 +82,12 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
 @triton.jit
 def _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT: tl.constexpr):
     if USE_DOT:  # acc [BLOCK_N, BLOCK_M]
-        return m[None, :] * N + rows[:, None], row_mask[:, None] & m_mask[None, :]
-    return m * N + rows, row_mask
+        offs = m[None, :] * N + rows[:, None]
+        mask = row_mask[:, None] & m_mask[None, :]
+    else:
+        offs = m * N + rows
+        mask = row_mask
+    return offs, mask
 
 
 @triton.jit
