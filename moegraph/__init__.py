@@ -6,6 +6,7 @@ from .errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     MoegraphError,
+    OutOfMemoryError,
     UnsupportedModelError,
     UnsupportedVersionError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "BackendUnavailableError",
     "InvalidArgumentError",
     "MoegraphError",
+    "OutOfMemoryError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
     "__version__",

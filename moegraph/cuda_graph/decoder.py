@@ -11,14 +11,17 @@ Calls the loop does not support go to transformers unchanged, with one log line 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, OutOfMemoryError
 from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
@@ -37,7 +40,7 @@ class DecodeStats:
 
     Reset at the start of every call: a call that fell back has only `fallback_reason`, one that
     raised has nothing. `host_ms_per_step` is CPU time spent issuing a step; `capture_seconds` is the
-    time this call spent capturing graphs (0 when they were already captured)."""
+    time this call spent capturing graphs and `captures` how many it captured (0 when they were ready)."""
 
     graphs: bool = False
     batch_size: int = 0
@@ -47,6 +50,7 @@ class DecodeStats:
     steps: int = 0
     host_seconds: float = 0.0
     capture_seconds: float = 0.0
+    captures: int = 0
     fallback_reason: str | None = None
 
     @property
@@ -127,9 +131,45 @@ class GraphDecoder:
         self.ops = None  # the OpTable of the decode step, resolved with the static cache
         self._weight_slots: list = []  # where the step reads its weights (graphs.weight_slots), with the cache
         self._weights: tuple = ()  # their storage pointers when the cache and graphs were built
+        self.graphs_captured = 0  # over the decoder's life: a call that needs no new graph adds nothing
+        self.capture_seconds = 0.0
+        # The static cache, its inputs and the graphs are shared by every call: one call at a time.
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread inside generate()/capture()
+        self._release_when_done = False
 
     # ----- lifecycle -------------------------------------------------------------------------
     def release(self) -> None:
+        """Free the static cache and graphs: after the running call if there is one (this thread's: unpatch()
+        from a streamer frees them when that generate() returns; another thread's: waits for it)."""
+        if self._owner == threading.get_ident():
+            self._release_when_done = True
+            return
+        with self._exclusive("unpatch()"):
+            self._free()
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Serialise generate(), capture() and release() of this model across threads; a second thread waits
+        for the first call to return instead of decoding into the same static rows."""
+        if self._owner == threading.get_ident():
+            raise InvalidArgumentError(f"moegraph: {what} was called from inside generate() of the same model "
+                                       "(from a streamer?); call it after that generate() returns")
+        if not self._lock.acquire(blocking=False):
+            logger.info("moegraph: %s waits for another thread's call on this model to return (calls on one "
+                        "model are serialised)", what)
+            self._lock.acquire()
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            if self._release_when_done:
+                self._release_when_done = False
+                self._free()
+            self._owner = None
+            self._lock.release()
+
+    def _free(self) -> None:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.cache = self.inputs = None
@@ -155,6 +195,10 @@ class GraphDecoder:
         """Allocate the static cache and capture the graphs now instead of at the first generate().
 
         max_length: prompt + new tokens to prepare for (default: max_seq_len, else 256)."""
+        with self._exclusive("moegraph.capture()"):
+            self._capture_now(batch_size, max_length)
+
+    def _capture_now(self, batch_size: int | None, max_length: int | None) -> None:
         rows = min(batch_size or self.options.max_batch_size, self.options.max_batch_size)
         limit = self.options.max_seq_len
         if max_length is None:
@@ -179,6 +223,10 @@ class GraphDecoder:
 
     # ----- generate() entry -------------------------------------------------------------------
     def generate(self, hf_generate, args: tuple, kwargs: dict):
+        with self._exclusive("generate()"):
+            return self._generate(hf_generate, args, kwargs)
+
+    def _generate(self, hf_generate, args: tuple, kwargs: dict):
         self.stats = DecodeStats()  # whatever this call does (or raises), stats describe this call only
         reason = support.check_call(self.model, args, kwargs)
         if reason is not None:
@@ -333,9 +381,11 @@ class GraphDecoder:
         max_new = call.max_new
         stats = call.stats
         use_graphs = self.graphs_enabled()
-        graphs_before = (self.graphs, self.graphs.capture_seconds if self.graphs is not None else 0.0)
+        captured_before, seconds_before = self.graphs_captured, self.capture_seconds
         try:
             self._ensure_capacity(rows, prompt.kv_width + max_new, use_graphs)
+        except OutOfMemoryError:  # not a capture failure: the next call that fits captures again
+            raise
         except Exception as exc:  # a failed capture must not lose the output: decode eagerly instead
             if not use_graphs:
                 raise
@@ -347,9 +397,8 @@ class GraphDecoder:
             self._ensure_capacity(rows, prompt.kv_width + max_new, use_graphs)
         stats.graphs = stats.graphs or use_graphs
         stats.chunks += 1
-        if use_graphs:
-            same = self.graphs is graphs_before[0]
-            stats.capture_seconds += self.graphs.capture_seconds - (graphs_before[1] if same else 0.0)
+        stats.captures += self.graphs_captured - captured_before
+        stats.capture_seconds += self.capture_seconds - seconds_before
 
         start = time.perf_counter()
         kwargs = prompt.rows_kwargs(part, all_input_ids.shape[0])
@@ -484,14 +533,14 @@ class GraphDecoder:
                         "the decode graphs were captured" if captured else "the static KV cache was allocated",
                         "re-capturing them" if use_graphs else "allocating the static KV cache again")
             rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
-            self.release()
+            self._free()
         if self.cache is not None and self._ops() is not self.ops:
             logger.info("moegraph: the decode ops changed since %s (another moegraph experts implementation: %s); "
                         "%s", "the decode graphs were captured" if self.graphs is not None and self.graphs.graphs
                         else "the static KV cache was allocated", model_experts_implementation(self.model),
                         "re-capturing them" if use_graphs else "allocating the static KV cache again")
             rows, positions = max(rows, self.cache.rows), max(positions, self.cache.positions)
-            self.release()
+            self._free()
         need_rows = bucket_for(rows, self.buckets)
         need_positions = self.options.max_seq_len or round_up(positions, SEQ_ALIGN)
         cache = self.cache
@@ -502,29 +551,69 @@ class GraphDecoder:
                 logger.info("moegraph: growing the static KV cache from %dx%d to %dx%d (rows x positions)%s",
                             cache.rows, cache.positions, new_rows, new_positions,
                             " and re-capturing the decode graphs" if use_graphs else "")
-            self.release()
+            del cache  # the old cache lives on in self.cache only, which _allocate frees once the new one exists
             self._allocate(new_rows, new_positions)
         if use_graphs:
-            self.inputs.clear()
-            self.graphs.capture([b for b in self.buckets if b <= self.cache.rows], self.model.device)
+            self._capture_graphs()
 
     def _allocate(self, rows: int, positions: int) -> None:
-        config = self.model.config
+        """A new static cache in place of the old one, allocated before the old one is freed: when it does not
+        fit, the partial allocation is freed, the old cache and graphs stay as they were (the model still
+        generates what fits in them) and moegraph's OutOfMemoryError says what was asked and how to avoid it."""
         device = self.model.device
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = StaticKVCache.allocate(
-            num_layers=config.num_hidden_layers, rows=rows, positions=positions,
-            kv_heads=config.num_key_value_heads, head_dim=head_dim,
-            dtype=self.model.model.embed_tokens.weight.dtype, device=device)
-        self.inputs = StaticInputs.allocate(rows, device)
-        self.ops = self._ops()
-        self.graphs = BucketGraphs(step=self._forward)
-        self._weight_slots = weight_slots(self.model)
-        self._weights = weights_signature(self._weight_slots)
+        layout = self._cache_layout(rows, positions)
+        try:
+            cache = StaticKVCache.allocate(**layout)
+            inputs = StaticInputs.allocate(rows, device)
+        except torch.OutOfMemoryError as exc:
+            gb = StaticKVCache.bytes_for(**layout) / 1e9
+            raise self._out_of_memory(f"allocating a static KV cache of {rows} rows x {positions} positions "
+                                      f"({gb:.2f} GB)", exc) from None
+        ops, graphs, slots = self._ops(), BucketGraphs(step=self._forward), weight_slots(self.model)
+        self._free()
+        # one statement: a KeyboardInterrupt cannot leave a cache without its graphs or weight pointers
+        self.cache, self.inputs, self.ops, self.graphs, self._weight_slots, self._weights = (
+            cache, inputs, ops, graphs, slots, weights_signature(slots))
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)
+
+    def _cache_layout(self, rows: int, positions: int) -> dict:
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return dict(num_layers=config.num_hidden_layers, rows=rows, positions=positions,
+                    kv_heads=config.num_key_value_heads, head_dim=head_dim,
+                    dtype=self.model.model.embed_tokens.weight.dtype, device=self.model.device)
+
+    def _capture_graphs(self) -> None:
+        self.inputs.clear()
+        try:
+            captured, seconds = self.graphs.capture([b for b in self.buckets if b <= self.cache.rows],
+                                                    self.model.device)
+        except torch.OutOfMemoryError as exc:  # the graphs are dropped (BucketGraphs.capture); the cache is kept
+            raise self._out_of_memory(f"capturing the decode graphs (batch buckets up to {self.cache.rows})",
+                                      exc) from None
+        self.graphs_captured += captured
+        self.capture_seconds += seconds
+
+    def _out_of_memory(self, what: str, exc: torch.OutOfMemoryError) -> OutOfMemoryError:
+        """moegraph's error for torch's, once the memory of the failed attempt is back with the driver."""
+        torch_says = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        traceback.clear_frames(exc.__traceback__)  # frames of the failed attempt may still hold its tensors
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.cache is None:
+            kept = "no static cache is held now; the next call allocates what it needs"
+        else:
+            graphs = self.graphs is not None and bool(self.graphs.graphs)
+            kept = (f"the static cache of {self.cache.rows} rows x {self.cache.positions} positions"
+                    f"{' and its decode graphs are' if graphs else ' is'} kept: calls that fit still run")
+        return OutOfMemoryError(
+            f"moegraph: {what} ran out of GPU memory ({torch_says}); {kept}. To avoid it: fewer rows or "
+            "max_new_tokens, free GPU memory (del unused tensors, torch.cuda.empty_cache()), or reserve the cache "
+            "while memory is free: moegraph.capture(model, batch_size=..., max_length=...) right after loading, "
+            "or patch(model, max_seq_len=N)")
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

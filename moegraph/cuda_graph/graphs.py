@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,16 +84,30 @@ class BucketGraphs:
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     pool: object = None
-    capture_seconds: float = 0.0
 
-    def capture(self, buckets: list[int], device: torch.device, show_progress: bool = True) -> None:
-        """Warm up and capture each missing bucket, largest first, into the shared pool."""
+    def capture(self, buckets: list[int], device: torch.device, show_progress: bool = True) -> tuple[int, float]:
+        """Warm up and capture each missing bucket, largest first, into the shared pool: (graphs captured, seconds).
+
+        Anything raised meanwhile (out of memory, KeyboardInterrupt) drops every graph of the pool, the
+        half-captured one included, so the next call captures all of them again from a clean pool."""
         missing = sorted((b for b in buckets if b not in self.graphs), reverse=True)
         if not missing:
-            return
+            return 0, 0.0
+        start = time.perf_counter()
+        try:
+            self._capture(missing, device, show_progress)
+        except BaseException as exc:
+            self.release()
+            traceback.clear_frames(exc.__traceback__)  # its frames hold the half-captured graph (and its pool)
+            raise
+        elapsed = time.perf_counter() - start
+        logger.info("moegraph: captured %d decode graph(s) (batch buckets %s) in %.2f s",
+                    len(missing), sorted(missing), elapsed)
+        return len(missing), elapsed
+
+    def _capture(self, missing: list[int], device: torch.device, show_progress: bool) -> None:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
         for rows in _progress(missing, show_progress):
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -104,10 +119,6 @@ class BucketGraphs:
                 self.outputs[rows] = self.step(rows)
             self.graphs[rows] = graph
         torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-        self.capture_seconds += elapsed
-        logger.info("moegraph: captured %d decode graph(s) (batch buckets %s) in %.2f s",
-                    len(missing), sorted(missing), elapsed)
 
     def replay(self, rows: int) -> torch.Tensor:
         self.graphs[rows].replay()

@@ -42,6 +42,12 @@ class StaticKVCache:
     def positions(self) -> int:
         return self.keys[0].shape[2]
 
+    @staticmethod
+    def bytes_for(*, num_layers: int, rows: int, positions: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> int:
+        """What allocate() with these arguments takes, without allocating it."""
+        return 2 * num_layers * rows * kv_heads * positions * head_dim * dtype.itemsize
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import weakref
 
 import torch
@@ -44,6 +45,7 @@ _class_experts: "weakref.WeakKeyDictionary[nn.Module, tuple[str, str]]" = weakre
 _inside_moegraph = contextvars.ContextVar("moegraph_inside_generate", default=False)
 
 _STATE_ATTR = "_moegraph_state"
+_decoders_lock = threading.Lock()
 
 
 class _ModelState:
@@ -117,12 +119,13 @@ def _state_for(model: nn.Module) -> _ModelState:
 
 
 def _decoder_for(model: nn.Module):
-    state = _state_for(model)
-    if state.decoder is None:
-        from ..cuda_graph.decoder import GraphDecoder
+    with _decoders_lock:  # two threads' first generate() on one model must share one decoder (and its lock)
+        state = _state_for(model)
+        if state.decoder is None:
+            from ..cuda_graph.decoder import GraphDecoder
 
-        state.decoder = GraphDecoder(model, state.options)
-    return state.decoder
+            state.decoder = GraphDecoder(model, state.options)
+        return state.decoder
 
 
 def _generate_wrapper(wrapped, instance, args, kwargs):
