@@ -1,4 +1,4 @@
-"""`python -m moegraph demo|info|parity|bench`."""
+"""`python -m moegraph demo|info|parity|accuracy|bench`."""
 
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def _parity(args) -> int:
     return run_parity(args)
 
 
+def _accuracy(args) -> int:
+    from .accuracy import run_accuracy
+
+    return run_accuracy(args)
+
+
 def _bench(args) -> int:
     from .bench import run_bench
 
@@ -116,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--num-layers", type=int, default=None)
     parity.add_argument("--new-tokens", type=int, default=32)
     parity.set_defaults(func=_parity)
+
+    accuracy = sub.add_parser("accuracy", help="per-step logits and greedy argmax of bf16 / NF4 variants against "
+                                                 "an fp32 copy of the same weights")
+    accuracy.add_argument("--model", default=None, help="config name (default: qwen3-30b-a3b on GPU, tiny on CPU)")
+    accuracy.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: 12 on GPU)")
+    accuracy.add_argument("--prompts", type=int, default=None, help="prompts in all (default: 8 on GPU, 4 on CPU)")
+    accuracy.add_argument("--batch-size", type=int, default=None, help="prompts per generate (default: 8 / 2)")
+    accuracy.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default: 32 / 8)")
+    accuracy.add_argument("--variants", default=None,
+                          help="comma-separated subset of fp32,moegraph_bf16,hf_bf16,moegraph_nf4,hf_nf4,hf_4bit "
+                               "(default: all)")
+    accuracy.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    accuracy.set_defaults(func=_accuracy)
 
     bench = sub.add_parser("bench", help="decode benchmark against transformers, with the bandwidth roofline")
     bench.add_argument("--num-layers", type=int, default=48, help="decoder layers of the full-size model")
