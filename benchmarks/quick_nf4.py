@@ -24,9 +24,24 @@ def decode_ms(model, batch_size, new_tokens):
         model.generate(**inputs, **kw)
         out, seconds = timed_call(lambda: model.generate(**inputs, **kw))
         stats = moegraph.decode_stats(model)
+        replay_ms(model, batch_size)
     finally:
         moegraph.unpatch(model)
     return 1e3 * stats.decode_seconds / max(stats.steps - 1, 1), 1e3 * stats.prefill_seconds, stats.graphs
+
+
+def replay_ms(model, batch_size, replays=50):
+    """GPU time of the bucket's graph alone, back to back: what the step costs without the host's share."""
+    graphs = model._moegraph_state.decoder.graphs
+    rows = min(b for b in graphs.graphs if b >= batch_size)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(rows)
+    start.record()
+    for _ in range(replays):
+        graphs.replay(rows)
+    end.record()
+    torch.cuda.synchronize()
+    print(f"graph replay bs {batch_size} (bucket {rows}): {start.elapsed_time(end) / replays:.3f} ms")
 
 
 def kernels_of_one_step(model, label, batch_size=1, top=14):
