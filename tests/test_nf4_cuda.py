@@ -49,17 +49,15 @@ def test_nf4_captured_equals_eager_bit_exact(model, batch_size):
 
 
 def test_nf4_decode_step_matches_unpatched_nf4_model(model):
-    """The fused NF4 kernels compute what NF4Experts' torch forward computes (same dequantized weights)."""
+    """The fused NF4 kernels compute what NF4Experts' torch forward computes: the unpatched model's logits over the
+    patched model's own tokens (teacher forcing, so a near-tie flipped by rounding does not end the comparison)."""
+    from moegraph.accuracy import compare, teacher_forced_logits
+
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=9, device="cuda")
-    want = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                          return_dict_in_generate=True, output_logits=True)
     got, stats = _generate(model, inputs, max_batch_size=16)
     assert stats.graphs
-    prompt, steps = inputs["input_ids"].shape[1], len(want.logits)
-    new_got, new_want = got.sequences[:, prompt:prompt + steps], want.sequences[:, prompt:]
-    same = (new_got == new_want).all(0).long().cumprod(0)
-    steps = int(same.sum())  # the steps before the first differing token: both read the same prefix there
-    assert steps >= 2
-    for step in range(1, steps):  # step 0 is the prefill's logits; the later ones come from the decode kernels
-        a, b = got.logits[step].float(), want.logits[step].float()
-        assert ((a - b).norm() / b.norm()).item() < 2e-2
+    logits = torch.stack(got.logits, dim=1).float()  # [B, N, V]; step 0 is the prefill's
+    want = teacher_forced_logits(model, got.sequences, inputs["attention_mask"], logits.shape[1])
+    rel, same_argmax = compare(logits[:, 1:], want[:, 1:])  # the decode kernels' steps
+    assert rel.max().item() < 2e-2, rel
+    assert same_argmax.float().mean().item() > 0.9

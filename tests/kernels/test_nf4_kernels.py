@@ -24,7 +24,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # relative L2 error allowed: fp32 and fp16 differ from the reference only by float32 summation order (and
 # a rare 1-ulp flip of a rounded intermediate); bf16 on the CPU carries the interpreter's truncation
 TILES = dict(gate_up_block_n=32, down_block_n=64)  # fewer interpreter programs than the defaults, same code
-REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 1e-2 if DEVICE == "cuda" else 6e-2}
+# (fp16 on the GPU: a 1-ulp flip of a rounded gate/up/silu value in a tiny [1, 64] output is ~2e-4 of it alone)
+REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-3 if DEVICE == "cuda" else 2e-4,
+           torch.bfloat16: 1e-2 if DEVICE == "cuda" else 6e-2}
 
 
 def _gen(seed):
