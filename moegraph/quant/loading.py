@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from . import serialization
 from .experts import NF4Experts
 from .nf4 import NF4Weight, quantize_nf4
 
@@ -98,11 +99,14 @@ class ExpertsNF4Quantize:
         weight = quantize_nf4(value, double_quant=double_quant)
         del value, input_dict  # the dense tensor goes now, not after the layer
         module_path, tensor = _split_name(name)
-        module = model.get_submodule(module_path)
-        pending = module.__dict__.setdefault(_PENDING, {})
-        pending[tensor] = weight
-        module._is_hf_initialized = True
+        keep_pending(model.get_submodule(module_path), tensor, weight)
         return {key: weight.packed}  # set in place of the dense parameter until loading ends
+
+
+def keep_pending(module: nn.Module, tensor: str, weight: NF4Weight) -> None:
+    """Keep an experts tensor's NF4Weight on its module until loading ends (finish_loading swaps the module)."""
+    module.__dict__.setdefault(_PENDING, {})[tensor] = weight
+    module._is_hf_initialized = True
 
 
 def finish_loading(model: nn.Module) -> int:
@@ -132,12 +136,15 @@ def before_loading(wrapped, instance, args, kwargs):
     model = args[0] if args else kwargs.get("model")
     if _supported(model):
         check_config(instance.quantization_config)
+        serialization.prepare_model(instance, model)  # before transformers asks for the weight conversions
     return wrapped(*args, **kwargs)
 
 
 def needs_quantization(wrapped, instance, args, kwargs):
+    # Pre-quantized too: such a tensor arrives packed (serialization.py), and transformers 5.24 accepts a shape other
+    # than the dense parameter's only for a parameter its quantizer quantizes.
     model, name = (list(args) + [kwargs.get("model"), kwargs.get("param_name")])[:2]
-    if not getattr(instance, "pre_quantized", False) and is_expert_tensor(instance, model, name):
+    if is_expert_tensor(instance, model, name):
         return True
     return wrapped(*args, **kwargs)
 
@@ -175,7 +182,9 @@ def install(patches) -> bool:
     patches.wrap(Bnb4BitHfQuantizer, "get_quantize_ops", quantize_ops)
     patches.wrap(Bnb4BitHfQuantizer, "_process_model_after_weight_loading", after_loading)
     patches.wrap(Bnb8BitHfQuantizer, "_process_model_before_weight_loading", refuse_8bit)
+    serialization.install(patches)  # save_pretrained / pre-quantized checkpoints of NF4 experts
     return True
 
 
-__all__ = ["ExpertsNF4Quantize", "NF4Weight", "check_config", "finish_loading", "install", "is_expert_tensor"]
+__all__ = ["ExpertsNF4Quantize", "NF4Weight", "check_config", "finish_loading", "install", "is_expert_tensor",
+           "keep_pending"]
