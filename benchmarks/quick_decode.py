@@ -3,10 +3,7 @@ few full-size layers, and the kernels one decode step launches per layer.
 Final figures come from `python -m moegraph bench`."""
 
 import argparse
-from collections import Counter
-
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import moegraph
 from moegraph.bench import timed_call as timed
@@ -15,17 +12,10 @@ from moegraph.testing import build_model, random_prompts
 
 def kernels_of_one_step(model, num_layers):
     moegraph.patch(model, max_batch_size=8)
-    inputs = random_prompts(1, vocab_size=model.config.vocab_size, device="cuda")
-    model.generate(**inputs, max_new_tokens=8)
-    decoder = model._moegraph_state.decoder
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder._forward(1)
-        torch.cuda.synchronize()
-    moegraph.unpatch(model)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    print(f"eager decode step: {len(kernels)} kernels, {len(kernels) / num_layers:.1f} per layer")
-    for name, count in Counter(e.name[:90] for e in kernels).most_common(30):
-        print(f"  {count:5d}  {name}")
+    try:
+        print(moegraph.profile_step(model, 1).format(top=30))
+    finally:
+        moegraph.unpatch(model)
 
 
 def main():

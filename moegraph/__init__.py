@@ -12,6 +12,7 @@ from .errors import (
 )
 from .moe.select import select_moe_backend
 from .patches.api import capture, decode_stats, is_patched, patch, unpatch
+from .profiling import StepProfile, profile_step
 
 
 def quantize_experts(model, *, double_quant: bool = False):
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidArgumentError",
     "MoegraphError",
     "OutOfMemoryError",
+    "StepProfile",
     "UnsupportedModelError",
     "UnsupportedVersionError",
     "__version__",
@@ -36,6 +38,7 @@ __all__ = [
     "decode_stats",
     "is_patched",
     "patch",
+    "profile_step",
     "quantize_experts",
     "select_moe_backend",
     "unpatch",

@@ -195,31 +195,12 @@ class Runner:
 
 
 def profile_one_step(model, batch_size: int) -> str:
-    """Kernels per decoder layer in one eager decode step of moegraph, and the top kernels by time."""
-    from collections import defaultdict
-
-    from torch.profiler import ProfilerActivity, profile
-
+    """Kernels per decoder layer in one eager decode step of moegraph, the top kernels by time, and the replay."""
     moegraph.patch(model, max_batch_size=max(batch_size, 1))
-    prompts = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=128, device="cuda")
-    model.generate(**prompts, max_new_tokens=4)
-    decoder = model._moegraph_state.decoder
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder._forward(batch_size)
-        torch.cuda.synchronize()
-    moegraph.unpatch(model)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    by_name = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by_name[e.name][0] += 1
-        by_name[e.name][1] += e.device_time
-    total = sum(t for _, t in by_name.values())
-    layers = model.config.num_hidden_layers
-    lines = [f"profile (batch {batch_size}): {len(kernels)} kernels in one decode step, "
-             f"{len(kernels) / layers:.1f} per decoder layer, {total / 1e3:.2f} ms of kernel time"]
-    for name, (count, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]:
-        lines.append(f"  {100 * t / total:5.1f}%  {count:5d}x  {name[:100]}")
-    return "\n".join(lines)
+    try:
+        return moegraph.profile_step(model, batch_size).format()
+    finally:
+        moegraph.unpatch(model)
 
 
 def _plot(results, path):

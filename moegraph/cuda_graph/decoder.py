@@ -509,6 +509,22 @@ class GraphDecoder:
                   for i in range(len(done[0].cache.layers))]
         hf_cache.append_kv(prompt.cache, joined)
 
+    def eager_step(self, rows: int) -> torch.Tensor:
+        """One decode step of the first `rows` rows of the static inputs, not captured (for profiling)."""
+        with self._exclusive("a profiled decode step"):
+            if self.cache is None or rows > self.cache.rows:
+                raise InvalidArgumentError(f"no static cache for {rows} rows: call moegraph.capture(model, "
+                                           f"batch_size={rows}) first")
+            return self._forward(rows)
+
+    def replay_step(self, rows: int) -> torch.Tensor:
+        """Replay the captured graph of rows' bucket once (for timing); the graphs must be captured."""
+        with self._exclusive("a replayed decode step"):
+            if self.graphs is None or bucket_for(rows, self.buckets) not in self.graphs.graphs:
+                raise InvalidArgumentError(f"no captured decode graph for {rows} rows: call moegraph.capture(model, "
+                                           f"batch_size={rows}) on a CUDA model first")
+            return self.graphs.replay(bucket_for(rows, self.buckets))[:rows]
+
     def _step(self, rows: int, use_graphs: bool) -> torch.Tensor:
         if use_graphs:
             return self.graphs.replay(bucket_for(rows, self.buckets))[:rows]
