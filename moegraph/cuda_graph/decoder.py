@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,9 +26,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError
 from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
-from ..patches.registry import family_of
 from . import hf_cache, support
-from .decode_step import decode_forward
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
 from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
 
@@ -117,10 +116,11 @@ class _Rows:
 
 
 class GraphDecoder:
-    def __init__(self, model: nn.Module, options: PatchOptions):
+    def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable):
+        """decode_step: the model family's one-token forward over the static cache (moegraph.models)."""
         self.model = model
         self.options = options
-        family_of(model)  # raises for a model the decode step does not know
+        self.decode_step = decode_step
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -531,7 +531,7 @@ class GraphDecoder:
         return self._forward(rows)
 
     def _forward(self, rows: int) -> torch.Tensor:
-        return decode_forward(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
+        return self.decode_step(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
                               self.ops, self.inputs.rope_positions[:rows])
 
     # ----- static cache and graphs ------------------------------------------------------------

@@ -30,7 +30,7 @@ from ..ops import ops_for_experts
 from ..options import PatchOptions
 from . import experts as experts_impl
 from .patcher import PatchSet
-from .registry import FAMILIES, family_of
+from ..models import FAMILIES, family_of
 
 logger = logging.getLogger("moegraph")
 
@@ -124,7 +124,7 @@ def _decoder_for(model: nn.Module):
         if state.decoder is None:
             from ..cuda_graph.decoder import GraphDecoder
 
-            state.decoder = GraphDecoder(model, state.options)
+            state.decoder = GraphDecoder(model, state.options, family_of(model).decode_step())
         return state.decoder
 
 

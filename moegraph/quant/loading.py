@@ -33,7 +33,7 @@ _PENDING = "_moegraph_nf4_pending"  # experts module attribute: {tensor name: NF
 
 
 def _supported(model) -> bool:
-    from ..patches.registry import FAMILIES
+    from ..models import FAMILIES
 
     return getattr(getattr(model, "config", None), "model_type", None) in FAMILIES
 

@@ -1,6 +1,9 @@
-"""Model families moegraph accelerates, keyed by `config.model_type`.
+"""Model families moegraph accelerates, keyed by `config.model_type`; each family owns its model code.
 
-Adding a family is one entry here (and, if its blocks differ, one small decode step in cuda_graph/).
+A family is one entry here and one module beside this file (`qwen3_moe.py`) holding its decode step: the whole
+one-token forward over the static cache that the graph decoder captures (attention variant, norm placement,
+router, experts), built from the shared ops of moegraph.ops. The graph decoder (cuda_graph/) is handed a
+family's decode step and knows nothing of any model.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ class ModelFamily:
     sparse_block_class: str  # router + experts; the experts dispatch through transformers' ExpertsInterface
     causal_lm_class: str  # its generate is wrapped by the graph decoder
     pretrained_class: str  # the family's PreTrainedModel: the class-level patch makes moegraph its default experts
+    decode_module: str  # moegraph's module for the family: `decode_forward(model, cache, token_ids, positions, ops,
+    #                     rope_positions)` -> logits [b, V] float32, one step for every row
 
     def module(self):
         return importlib.import_module(self.modeling_module)
@@ -31,6 +36,9 @@ class ModelFamily:
     def pretrained_model(self) -> type:
         return getattr(self.module(), self.pretrained_class)
 
+    def decode_step(self):
+        return importlib.import_module(self.decode_module).decode_forward
+
 
 FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily(
@@ -39,6 +47,7 @@ FAMILIES: dict[str, ModelFamily] = {
         sparse_block_class="Qwen3MoeSparseMoeBlock",
         causal_lm_class="Qwen3MoeForCausalLM",
         pretrained_class="Qwen3MoePreTrainedModel",
+        decode_module="moegraph.models.qwen3_moe",
     ),
 }
 

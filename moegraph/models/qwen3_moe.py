@@ -1,4 +1,5 @@
-"""One decode step of a Qwen3-MoE causal LM over the static cache: one new token per row -> logits.
+"""Qwen3-MoE (and its family: Qwen3-30B-A3B, Qwen3-235B-A22B): one decode step over the static cache, one new
+token per row -> logits.
 
 Every shape is fixed by the row count and the cache size and nothing syncs with the host: this
 function is what each bucket's graph captures, and also what the eager loop runs. It reuses the
@@ -11,10 +12,13 @@ attention over the row's cached positions, o projection, add+RMSNorm, MoE (or de
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from .static_cache import StaticKVCache
+if TYPE_CHECKING:
+    from ..cuda_graph.static_cache import StaticKVCache
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
