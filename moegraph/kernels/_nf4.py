@@ -216,22 +216,8 @@ def _nf4_decode(packed, absmax, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: t
                 ALIGNED: tl.constexpr, LOOKUP: tl.constexpr):
     """(even, odd) columns of the tile in DTYPE: code[high nibble] * absmax and code[low nibble] * absmax, in the
     layout the bytes were loaded in (no shuffle of the tile)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    if ALIGNED:  # one absmax per 32 bytes of a row, broadcast
-        G: tl.constexpr = BLOCK_K // 64
-        absmax = tl.reshape(tl.broadcast_to(absmax[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, HALF])
-    if LOOKUP == 0:  # global gather from the 64-byte table (one L1 line): a 64-bit address per value
-        code_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
-        code_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
-    elif LOOKUP == 1:  # the 16 values in shared memory (tl.gather): a 32-bit address, no bank conflict
-        code_even = tl.reshape(tl.gather(table, tl.reshape((packed >> 4).to(tl.int32), [BLOCK_N * HALF]), 0),
-                               [BLOCK_N, HALF])
-        code_odd = tl.reshape(tl.gather(table, tl.reshape((packed & 0xF).to(tl.int32), [BLOCK_N * HALF]), 0),
-                              [BLOCK_N, HALF])
-    else:  # 256 (even, odd) pairs in shared memory, indexed by the whole byte: one 8-byte load per byte
-        pair = tl.reshape(tl.gather(table, tl.reshape(packed.to(tl.int32), [BLOCK_N * HALF]), 0), [BLOCK_N, HALF])
-        code_even = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-        code_odd = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    code_even, code_odd = _nf4_codes(packed, code_ptr, table, BLOCK_N, BLOCK_K, LOOKUP)
+    absmax = _broadcast_absmax(absmax, BLOCK_N, BLOCK_K, ALIGNED)
     return (code_even * absmax).to(DTYPE), (code_odd * absmax).to(DTYPE)
 
 

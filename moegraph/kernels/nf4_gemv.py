@@ -152,6 +152,13 @@ def _choose_split_k(programs: int, k_steps: int) -> int:
     return split
 
 
+def _launch_options(cfg: NF4LinearConfig, use_dot: bool, block_n: int) -> dict:
+    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    return launch
+
+
 def _uses_dot(rows_m: int, cfg: NF4LinearConfig) -> bool:
     return cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
 
@@ -183,9 +190,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
     partial = torch.empty(split_k, rows_m, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
-    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
-    if cfg.num_stages is not None:
-        launch["num_stages"] = cfg.num_stages
+    launch = _launch_options(cfg, use_dot, block_n)
     _nf4_linear_kernel[(grid_n, grid_m, split_k)](
         x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
         steps_per_split * cfg.block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
@@ -225,9 +230,7 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     padded = list(zip(views, outs)) + [(views[0], outs[0])] * (MAX_GROUP - len(views))  # never reached: no tiles
     args = [a for v, out in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out,
                                               v.rows)]
-    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
-    if cfg.num_stages is not None:
-        launch["num_stages"] = cfg.num_stages
+    launch = _launch_options(cfg, use_dot, block_n)
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=cfg.block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
