@@ -52,8 +52,22 @@ class Case:
     notes: list = field(default_factory=list)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def measure_copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
+    """Bytes read + written per second by a large device-to-device copy (median of 20; on the CPU, of 5 of 64 MB)."""
+    if torch.device(device).type == "cpu":
+        src = torch.ones(1 << 26, dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return 2 * src.numel() / statistics.median(times)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -110,11 +124,11 @@ def step_bytes(config, batch_size: int, distinct_experts: float, context: float,
 
 
 def timed_call(fn):
-    """(fn(), seconds), with the device synchronized before and after."""
-    torch.cuda.synchronize()
+    """(fn(), seconds), with the GPU (if any) synchronized before and after."""
+    _sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync()
     return out, time.perf_counter() - start
 
 
@@ -158,7 +172,8 @@ class Runner:
 
     def _measure(self, case, backend, batch_size, prompts):
         n = self.args.new_tokens
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         # a 2-token first call (graph capture, compilation), then a short warm-up that gives the
         # per-token estimate used to fit the budget
         _, case.first_call_s = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 2)))
@@ -191,7 +206,8 @@ class Runner:
         case.decode_ms_per_step = 1e3 * statistics.median(decodes)
         case.tok_s = batch_size * n / case.total_s
         case.decode_tok_s = batch_size / (case.decode_ms_per_step / 1e3)
-        case.peak_gb = torch.cuda.max_memory_allocated() / 1e9
+        if torch.cuda.is_available():
+            case.peak_gb = torch.cuda.max_memory_allocated() / 1e9
 
 
 def profile_one_step(model, batch_size: int) -> str:
@@ -229,6 +245,43 @@ def _plot(results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: int = 64, runs: int = 3,
+              budget_s: float = 45.0, total_budget_s: float = 540.0, min_len: int = 16, max_len: int = 128,
+              progress=None) -> dict:
+    """The bench's cases on a model already built, on its device (CUDA or the CPU), for notebooks and scripts.
+
+    Returns {"device", "copy_bandwidth_tb_s", "roofline": {batch: {...}}, "cases": [Case as dict]}, the fields of
+    `python -m moegraph bench`'s JSON. `progress` (e.g. tqdm.auto.tqdm) wraps the loop over cases.
+    """
+    from types import SimpleNamespace
+
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        raise moegraph.InvalidArgumentError(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
+    device = next(model.parameters()).device
+    dtype_bytes = next(model.parameters()).element_size()
+    bandwidth = measure_copy_bandwidth(device)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "copy_bandwidth_tb_s": bandwidth / 1e12, "new_tokens": new_tokens, "roofline": {}, "cases": []}
+    args = SimpleNamespace(new_tokens=new_tokens, runs=runs, budget_s=budget_s)
+    runner = Runner(model, args, time.perf_counter() + total_budget_s)
+    prompts = {}
+    for batch_size in batch_sizes:
+        prompts[batch_size] = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=min_len,
+                                             max_len=max_len, seed=batch_size, device=device)
+        distinct = count_distinct_experts(model, prompts[batch_size])
+        context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + new_tokens / 2
+        parts = step_bytes(model.config, batch_size, distinct, context, dtype_bytes=dtype_bytes)
+        results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "step_bytes": parts,
+                                           "roofline_tok_s": batch_size / (parts["total"] / bandwidth)}
+    todo = [(b, n) for b in sorted(backends, key=PRIORITY.index) for n in batch_sizes]
+    for backend, batch_size in (progress(todo, desc="bench cases") if progress else todo):
+        case = runner.run(backend, batch_size, prompts[batch_size])
+        case.roofline_tok_s = results["roofline"][batch_size]["roofline_tok_s"]
+        results["cases"].append(asdict(case))
+    return results
 
 
 def run_bench(args) -> int:

@@ -1,5 +1,6 @@
 """Model builders for tests and benchmarks: random weights, named configs, no downloads."""
 
+from .checkpoint import build_tokenizer, save_tiny_checkpoint
 from .models import CONFIGS, build_model, make_config, random_prompts
 
-__all__ = ["CONFIGS", "build_model", "make_config", "random_prompts"]
+__all__ = ["CONFIGS", "build_model", "build_tokenizer", "make_config", "random_prompts", "save_tiny_checkpoint"]
