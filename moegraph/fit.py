@@ -285,6 +285,7 @@ def plan_backends(memory: DeviceMemory, dtype: torch.dtype) -> list[BackendPlan]
 
 FORMATS = ("bf16", "fp16", "nf4", "nf4-dq")
 FORMAT_NOTES = {
+    "fp32": "every weight in fp32 (the CPU's dtype)",
     "bf16": "every weight in bf16",
     "fp16": "every weight in fp16",
     "nf4": "experts + attention 4-bit, fp32 absmax per 64; embeddings, lm_head, routers, norms 16-bit",
@@ -338,7 +339,8 @@ def _report_lines(report: FitReport) -> list[str]:
              "  " + ", ".join(f"{g.name} {g.params / 1e9:.3f} B" for g in report.groups),
              f"device         {where}",
              f"KV cache       batch {report.batch_size} x {report.seq_len} tokens: "
-             f"{_gb(report.lines[0].kv_bytes).strip()} in 16-bit (static cache, positions rounded up to 256)",
+             f"{_gb(report.line('bf16').kv_bytes).strip()} in 16-bit (static cache, positions rounded up to 256; "
+             f"twice that in fp32)",
              f"{'format':<8} {'weights':>10} {'+ KV cache':>11}  fits (headroom {_gb(report.headroom_bytes).strip()})"]
     for line in report.lines:
         lines.append(f"{line.fmt:<8} {_gb(line.weight_bytes)} {_gb(line.total_bytes)}   "
@@ -355,6 +357,13 @@ def _headroom(memory: DeviceMemory) -> float:
     return max(HEADROOM_FRACTION * memory.total_bytes, MIN_HEADROOM_BYTES)
 
 
+def _fit_line(config, fmt: str, batch_size: int, seq_len: int, usable_bytes: float) -> FitLine:
+    # the decoder's cache takes the embeddings' dtype: fp32 in fp32, 16-bit otherwise (NF4 included)
+    kv = kv_cache_bytes(config, batch_size, seq_len, torch.float32 if fmt == "fp32" else torch.bfloat16)
+    weights = weight_bytes(config, fmt)
+    return FitLine(fmt, weights, kv, weights + kv <= usable_bytes)
+
+
 def fit_report(model_or_config, batch_size: int = 1, seq_len: int = 4096, device=None) -> FitReport:
     """Will this model fit on `device` (None: the GPU at hand, else the CPU; or a KNOWN_GPUS name)? Config only."""
     if batch_size < 1 or seq_len < 1:
@@ -363,11 +372,10 @@ def fit_report(model_or_config, batch_size: int = 1, seq_len: int = 4096, device
     groups = tuple(weight_groups(config))
     memory = describe_device(device)
     headroom = _headroom(memory)
-    kv = kv_cache_bytes(config, batch_size, seq_len)  # the cache is in the compute dtype: 2 bytes for every format
-    lines = tuple(FitLine(fmt, weight_bytes(config, fmt), kv,
-                          weight_bytes(config, fmt) + kv + headroom <= memory.free_bytes) for fmt in FORMATS)
     dtype, why = choose_dtype(memory)
-    notes = ("the CPU decodes eagerly and reads weights from RAM: it fits, but slowly",) if memory.kind == "cpu" else ()
+    formats = (("fp32",) if dtype == torch.float32 else ()) + FORMATS
+    lines = tuple(_fit_line(config, fmt, batch_size, seq_len, memory.free_bytes - headroom) for fmt in formats)
+    notes = ("on the CPU moegraph decodes eagerly (no CUDA graphs) from weights in RAM",) if memory.kind == "cpu" else ()
     name = model_or_config if isinstance(model_or_config, (str, os.PathLike)) else getattr(
         config, "_name_or_path", "") or type(config).__name__
     return FitReport(str(name), count_parameters(config), groups, batch_size, seq_len, memory, headroom, dtype, why,
