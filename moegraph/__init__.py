@@ -21,6 +21,12 @@ def quantize_experts(model, *, double_quant: bool = False):
 
     return _quantize_experts(model, double_quant=double_quant)
 
+def fit_report(model_or_config, batch_size: int = 1, seq_len: int = 4096, device=None):
+    """Will the model fit? Weights in bf16 / fp16 / NF4, the static KV cache, dtype and MoE backend, from its config."""
+    from .fit import fit_report as _fit_report
+
+    return _fit_report(model_or_config, batch_size=batch_size, seq_len=seq_len, device=device)
+
 __version__ = "0.1.0"
 
 logging.getLogger("moegraph").addHandler(logging.NullHandler())
@@ -36,6 +42,7 @@ __all__ = [
     "__version__",
     "capture",
     "decode_stats",
+    "fit_report",
     "is_patched",
     "patch",
     "profile_step",

@@ -8,6 +8,8 @@ import sys
 
 
 def _info(args) -> int:
+    if args.model is not None:
+        return _fit(args)
     import platform
 
     import torch
@@ -37,6 +39,18 @@ def _info(args) -> int:
     ops = resolve_ops(device, dtype)
     print(f"moe backend    {ops.moe_backend} for {dtype} ({'capture-safe' if ops.capture_safe else 'eager only'})")
     print(ops.describe())
+    return 0
+
+
+def _fit(args) -> int:
+    from .errors import MoegraphError
+    from .fit import fit_report
+
+    try:
+        print(fit_report(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device))
+    except MoegraphError as exc:  # a config that cannot be read, an unknown GPU: the message says what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -110,7 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moegraph", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log moegraph's decisions (INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, device, the MoE backend chosen and why").set_defaults(func=_info)
+    info = sub.add_parser("info", help="versions, device, the MoE backend chosen and why; with --model: will it fit?")
+    info.add_argument("--model", default=None,
+                      help="Hub name, local config.json (or its folder), or a moegraph.testing preset such as "
+                           "qwen3-30b-a3b: weight sizes, KV cache, fit, dtype and backend (reads the config only)")
+    info.add_argument("--batch-size", type=int, default=1, help="rows of the static KV cache (with --model)")
+    info.add_argument("--seq-len", type=int, default=4096, help="prompt + new tokens per row (with --model)")
+    info.add_argument("--device", default=None,
+                      help="cpu, cuda:N, or a GPU name (T4, A100-40GB, A100-80GB, A10, RTX3090, L4, RTX4090, H100, "
+                           "H200, B200); default: the GPU at hand, else the CPU")
+    info.set_defaults(func=_info)
 
     demo = sub.add_parser("demo", help="tiny random model: patched vs unpatched tokens and speed")
     demo.add_argument("--batch-size", type=int, default=4)
