@@ -17,17 +17,21 @@ def model():
     return build_model("tiny-mixtral", seed=0)
 
 
-def _prompts_and_eos(model, rows=4, max_new=12, seed=3):
-    """Unequal left-padded prompts and an EOS id that row 0 emits mid-way (rows stop at different steps)."""
-    inputs = random_prompts(rows, vocab_size=model.config.vocab_size, min_len=3, max_len=11, seed=seed)
-    free = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
-    return inputs, int(free[0, inputs["input_ids"].shape[1] + 3])
-
-
-def test_patch_model_greedy_equals_transformers(model):
-    inputs, eos = _prompts_and_eos(model)
-    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+@pytest.fixture(scope="module")
+def case(model):
+    """Unequal left-padded prompts, an EOS id that row 0 emits mid-way (rows stop at different steps), and
+    unpatched transformers' tokens for them."""
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=3, max_len=11, seed=3)
+    free = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, inputs["input_ids"].shape[1] + 3]),
+                  pad_token_id=0)
     want = model.generate(**inputs, **kwargs)
+    assert (want[0, inputs["input_ids"].shape[1] + 4:] == 0).all()  # row 0 finished mid-batch
+    return inputs, kwargs, want
+
+
+def test_patch_model_greedy_equals_transformers(model, case):
+    inputs, kwargs, want = case
     moegraph.patch(model, max_batch_size=4)
     try:
         got = model.generate(**inputs, **kwargs)
@@ -36,18 +40,14 @@ def test_patch_model_greedy_equals_transformers(model):
         moegraph.unpatch(model)
     assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
     assert torch.equal(got, want)
-    assert (got[0, inputs["input_ids"].shape[1] + 4:] == 0).all()  # row 0 finished mid-batch
 
 
-def test_class_patch_greedy_equals_transformers():
-    fresh = build_model("tiny-mixtral", seed=1)
-    inputs, eos = _prompts_and_eos(fresh, seed=4)
-    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    want = fresh.generate(**inputs, **kwargs)
+def test_class_patch_greedy_equals_transformers(model, case):
+    inputs, kwargs, want = case
     moegraph.patch(max_batch_size=4)
-    built_after = build_model("tiny-mixtral", seed=1)
+    built_after = build_model("tiny-mixtral", seed=0)
     assert built_after.config._experts_implementation == "moegraph"
-    for m in (fresh, built_after):  # one built before the class patch, one after
+    for m in (model, built_after):  # one built before the class patch, one after
         got = m.generate(**inputs, **kwargs)
         assert moegraph.decode_stats(m).fallback_reason is None
         assert torch.equal(got, want)
@@ -56,19 +56,19 @@ def test_class_patch_greedy_equals_transformers():
 
 
 def test_sliding_window_falls_back_beyond_the_window(caplog):
-    windowed = build_model("tiny-mixtral", seed=2, sliding_window=12)
-    short = random_prompts(2, vocab_size=512, min_len=3, max_len=6, seed=5)  # <= 6 + 6 positions: inside
-    long = random_prompts(2, vocab_size=512, min_len=9, max_len=11, seed=6)  # up to 11 + 6: past the window
-    want_short = windowed.generate(**short, max_new_tokens=6, do_sample=False)
-    want_long = windowed.generate(**long, max_new_tokens=6, do_sample=False)
+    windowed = build_model("tiny-mixtral", seed=2, sliding_window=10, num_layers=1)
+    short = random_prompts(2, vocab_size=512, min_len=3, max_len=6, seed=5)  # <= 6 + 4 positions: inside
+    long = random_prompts(2, vocab_size=512, min_len=9, max_len=11, seed=6)  # up to 11 + 4: past the window
+    want_short = windowed.generate(**short, max_new_tokens=4, do_sample=False)
+    want_long = windowed.generate(**long, max_new_tokens=4, do_sample=False)
     moegraph.patch(windowed, max_batch_size=4)
     caplog.set_level(logging.WARNING, logger="moegraph")
     try:
-        assert torch.equal(windowed.generate(**short, max_new_tokens=6, do_sample=False), want_short)
+        assert torch.equal(windowed.generate(**short, max_new_tokens=4, do_sample=False), want_short)
         assert moegraph.decode_stats(windowed).fallback_reason is None
         for _ in range(2):  # the reason is logged once per model
-            assert torch.equal(windowed.generate(**long, max_new_tokens=6, do_sample=False), want_long)
-            assert "sliding_window=12" in moegraph.decode_stats(windowed).fallback_reason
+            assert torch.equal(windowed.generate(**long, max_new_tokens=4, do_sample=False), want_long)
+            assert "sliding_window=10" in moegraph.decode_stats(windowed).fallback_reason
     finally:
         moegraph.unpatch(windowed)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "sliding_window" in r.getMessage()]
