@@ -116,11 +116,15 @@ class _Rows:
 
 
 class GraphDecoder:
-    def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable):
-        """decode_step: the model family's one-token forward over the static cache (moegraph.models)."""
+    def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable,
+                 check_positions: Callable | None = None):
+        """decode_step: the model family's one-token forward over the static cache (moegraph.models);
+        check_positions(model, positions) -> reason | None: the family's limit on the positions one call may hold
+        (e.g. a sliding window), None: no limit."""
         self.model = model
         self.options = options
         self.decode_step = decode_step
+        self.check_positions = check_positions
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -271,6 +275,9 @@ class GraphDecoder:
                       f"new tokens) with max_seq_len={self.options.max_seq_len} (raise max_seq_len, or leave it "
                       "None to grow the static cache on demand)")
             once_key = "max_seq_len"
+        if reason is None and self.check_positions is not None:
+            reason = self.check_positions(self.model, prompt.kv_width + max_new)
+            once_key = "positions"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 

@@ -1,7 +1,8 @@
-"""Per-head RMSNorm of q and k, rotary embedding, and the K/V cache write, in one launch.
+"""Per-head RMSNorm of q and k (optional), rotary embedding, and the K/V cache write, in one launch.
 
 Inputs for b rows of one decode step: q [b, Hq*D], k [b, Hkv*D], v [b, Hkv*D] (projection
-outputs), q_weight/k_weight [D] (the q_norm / k_norm weights), cos/sin [b, D], positions [b].
+outputs), q_weight/k_weight [D] (the q_norm / k_norm weights; both None: RoPE only, for families
+without q/k-norm such as Mixtral), cos/sin [b, D], positions [b].
 Returns q_out [b, Hq, D]; writes k (normed, rotated) and v into key_cache/value_cache
 [rows, Hkv, S, D] at [row, head, positions[row]].
 Rounds where transformers' eager path rounds (norm, then q*cos and rotate_half(q)*sin each
@@ -13,17 +14,21 @@ import torch
 from ._triton import tl, triton
 
 @triton.jit
-def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr):
+def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
     out_dtype = xa.dtype
     cols = tl.arange(0, HALF)
     xaf = xa.to(tl.float32)
     xbf = xb.to(tl.float32)
-    variance = (tl.sum(xaf * xaf, axis=0) + tl.sum(xbf * xbf, axis=0)) / (2 * HALF)
-    inv = tl.rsqrt(variance + eps)
-    wa = tl.load(w_ptr + cols).to(tl.float32)
-    wb = tl.load(w_ptr + HALF + cols).to(tl.float32)
-    na = (wa * (xaf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-    nb = (wb * (xbf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    if NORM:
+        variance = (tl.sum(xaf * xaf, axis=0) + tl.sum(xbf * xbf, axis=0)) / (2 * HALF)
+        inv = tl.rsqrt(variance + eps)
+        wa = tl.load(w_ptr + cols).to(tl.float32)
+        wb = tl.load(w_ptr + HALF + cols).to(tl.float32)
+        na = (wa * (xaf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        nb = (wb * (xbf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    else:  # RoPE only: the projection output, already in out_dtype
+        na = xaf
+        nb = xbf
     ca = tl.load(cos_ptr + cols).to(tl.float32)
     cb = tl.load(cos_ptr + HALF + cols).to(tl.float32)
     sa = tl.load(sin_ptr + cols).to(tl.float32)
@@ -37,7 +42,7 @@ def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr):
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
                          kc_ptr, vc_ptr, q_heads, kv_heads, kc_row_stride, kc_head_stride, eps,
-                         HEAD_DIM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -48,7 +53,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         src = q_ptr + (row * q_heads + head) * HEAD_DIM
         xa = tl.load(src + cols)
         xb = tl.load(src + half + cols)
-        oa, ob = _norm_rope_half(xa, xb, qw_ptr, cos_row, sin_row, eps, half)
+        oa, ob = _norm_rope_half(xa, xb, qw_ptr, cos_row, sin_row, eps, half, NORM)
         dst = q_out_ptr + (row * q_heads + head) * HEAD_DIM
         tl.store(dst + cols, oa)
         tl.store(dst + half + cols, ob)
@@ -57,7 +62,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         src = k_ptr + (row * kv_heads + kv) * HEAD_DIM
         xa = tl.load(src + cols)
         xb = tl.load(src + half + cols)
-        oa, ob = _norm_rope_half(xa, xb, kw_ptr, cos_row, sin_row, eps, half)
+        oa, ob = _norm_rope_half(xa, xb, kw_ptr, cos_row, sin_row, eps, half, NORM)
         pos = tl.load(pos_ptr + row)
         offset = row * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
         tl.store(kc_ptr + offset + cols, oa.to(kc_ptr.dtype.element_ty))
@@ -67,28 +72,42 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         tl.store(vc_ptr + offset + half + cols, tl.load(vsrc + half + cols))
 
 
+def _check_weights(q_weight, k_weight, head_dim: int) -> bool:
+    """Whether q/k are normed: both weights [head_dim], or both None (RoPE only)."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: pass both q_weight and k_weight, or neither (RoPE only)")
+    if q_weight is not None and (q_weight.shape[-1] != head_dim or k_weight.shape[-1] != head_dim):
+        raise ValueError(f"qk_norm_rope: norm weights of {q_weight.shape[-1]} and {k_weight.shape[-1]} for "
+                         f"head_dim {head_dim} (the caches' last dimension)")
+    return q_weight is not None
+
+
 def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps):
-    rows, head_dim = q.shape[0], q_weight.shape[0]
+    rows, head_dim = q.shape[0], key_cache.shape[-1]
+    norm = _check_weights(q_weight, k_weight, head_dim)
     q_heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
     if head_dim % 2 or head_dim & (head_dim - 1):
         raise ValueError(f"qk_norm_rope: head_dim must be a power of two, got {head_dim}")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape[-1] == head_dim):
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("qk_norm_rope: the caches must be contiguous [rows, kv_heads, positions, head_dim]")
     q, k, v = q.reshape(rows, -1).contiguous(), k.reshape(rows, -1).contiguous(), v.reshape(rows, -1).contiguous()
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
     q_out = torch.empty(rows, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if not norm:  # the kernel reads no weight when NORM is off: q stands in for the pointers
+        q_weight, k_weight, eps = q, q, 0.0
     _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
         q, k, v, q_weight, k_weight, cos, sin, positions, q_out, key_cache, value_cache,
-        q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim)
+        q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim, NORM=norm)
     return q_out
 
 
 def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps):
     from .rms_norm import rms_norm_ref
 
-    rows, head_dim = q.shape[0], q_weight.shape[0]
-    q = rms_norm_ref(q.reshape(rows, -1, head_dim), q_weight, eps)  # [b, Hq, D]
-    k = rms_norm_ref(k.reshape(rows, -1, head_dim), k_weight, eps)
+    rows, head_dim = q.shape[0], key_cache.shape[-1]
+    q, k = q.reshape(rows, -1, head_dim), k.reshape(rows, -1, head_dim)  # [b, Hq, D], [b, Hkv, D]
+    if _check_weights(q_weight, k_weight, head_dim):
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     cos, sin = cos.reshape(rows, 1, head_dim), sin.reshape(rows, 1, head_dim)
 
     def rotate(x):

@@ -1,8 +1,10 @@
 """Router softmax -> top-k -> optional renormalisation, in one launch.
 
-router_topk(logits [T, E], top_k, normalize) -> (weights [T, K] in the logits' dtype, index [T, K]
-int64), the same function as transformers' Qwen3MoeTopKRouter after its linear layer (softmax in
-float32, top-k of the probabilities, divide by their sum when norm_topk_prob). Equal
+router_topk(logits [T, E], top_k, normalize, weights_dtype=None) -> (weights [T, K], index [T, K]
+int64), the same function as transformers' softmax top-k routers after their linear layer (softmax in
+float32 over all experts, top-k of the probabilities, divide by their sum when normalizing):
+Qwen3MoeTopKRouter (norm_topk_prob, weights cast to the logits' dtype: weights_dtype None) and
+MixtralTopKRouter (always normalized, weights left in float32: weights_dtype=torch.float32). Equal
 probabilities go to the lower expert index. Replaces ~7 eager kernels.
 Capture-safe: grid (T,), no host sync.
 """
@@ -38,21 +40,21 @@ def _router_topk_kernel(logits_ptr, weights_ptr, index_ptr, num_experts, TOP_K: 
         tl.store(index_ptr + row * TOP_K + slot, best_idx.to(tl.int64))
 
 
-def router_topk(logits: torch.Tensor, top_k: int, normalize: bool):
+def router_topk(logits: torch.Tensor, top_k: int, normalize: bool, weights_dtype: torch.dtype | None = None):
     tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"router_topk: top_k={top_k} must be in [1, {num_experts}]")
     logits = logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=weights_dtype or logits.dtype, device=logits.device)
     index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     _router_topk_kernel[(tokens,)](logits, weights, index, num_experts, TOP_K=top_k, NORMALIZE=normalize,
                                    BLOCK=triton.next_power_of_2(num_experts))
     return weights, index
 
 
-def router_topk_ref(logits: torch.Tensor, top_k: int, normalize: bool):
+def router_topk_ref(logits: torch.Tensor, top_k: int, normalize: bool, weights_dtype: torch.dtype | None = None):
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     values, index = torch.topk(probs, top_k, dim=-1)
     if normalize:
         values = values / values.sum(dim=-1, keepdim=True)
-    return values.to(logits.dtype), index
+    return values.to(weights_dtype or logits.dtype), index

@@ -1,9 +1,10 @@
 """Model families moegraph accelerates, keyed by `config.model_type`; each family owns its model code.
 
-A family is one entry here and one module beside this file (`qwen3_moe.py`) holding its decode step: the whole
-one-token forward over the static cache that the graph decoder captures (attention variant, norm placement,
-router, experts), built from the shared ops of moegraph.ops. The graph decoder (cuda_graph/) is handed a
-family's decode step and knows nothing of any model.
+A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`) holding its decode
+step: the whole one-token forward over the static cache that the graph decoder captures (attention variant, norm
+placement, router, experts), built from the shared ops of moegraph.ops, and optionally `check_positions(model,
+positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding window). The graph
+decoder (cuda_graph/) is handed a family's decode step and position check and knows nothing of any model.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ModelFamily:
     pretrained_class: str  # the family's PreTrainedModel: the class-level patch makes moegraph its default experts
     decode_module: str  # moegraph's module for the family: `decode_forward(model, cache, token_ids, positions, ops,
     #                     rope_positions)` -> logits [b, V] float32, one step for every row
+    models: str = ""  # the checkpoints it covers, for error messages and the README
 
     def module(self):
         return importlib.import_module(self.modeling_module)
@@ -39,6 +41,10 @@ class ModelFamily:
     def decode_step(self):
         return importlib.import_module(self.decode_module).decode_forward
 
+    def position_check(self):
+        """`check_positions(model, positions) -> reason | None` of the family's module, or None (any length)."""
+        return getattr(importlib.import_module(self.decode_module), "check_positions", None)
+
 
 FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily(
@@ -48,6 +54,16 @@ FAMILIES: dict[str, ModelFamily] = {
         causal_lm_class="Qwen3MoeForCausalLM",
         pretrained_class="Qwen3MoePreTrainedModel",
         decode_module="moegraph.models.qwen3_moe",
+        models="Qwen3-MoE: Qwen3-30B-A3B and its family",
+    ),
+    "mixtral": ModelFamily(
+        model_type="mixtral",
+        modeling_module="transformers.models.mixtral.modeling_mixtral",
+        sparse_block_class="MixtralSparseMoeBlock",
+        causal_lm_class="MixtralForCausalLM",
+        pretrained_class="MixtralPreTrainedModel",
+        decode_module="moegraph.models.mixtral",
+        models="Mixtral: Mixtral-8x7B, Mixtral-8x22B",
     ),
 }
 
@@ -59,6 +75,7 @@ def family_of(model) -> ModelFamily:
         found = f"model_type={model_type!r}" if model_type else "no `config.model_type`"
         raise UnsupportedModelError(
             f"moegraph.patch() got {type(model).__name__} with {found}; supported model types: "
-            f"{sorted(FAMILIES)} (Qwen3-MoE: Qwen3-30B-A3B and its family). Leave other models unpatched."
+            f"{sorted(FAMILIES)} ({'; '.join(FAMILIES[name].models for name in sorted(FAMILIES))}). "
+            "Leave other models unpatched."
         )
     return FAMILIES[model_type]

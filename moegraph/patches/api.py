@@ -124,7 +124,8 @@ def _decoder_for(model: nn.Module):
         if state.decoder is None:
             from ..cuda_graph.decoder import GraphDecoder
 
-            state.decoder = GraphDecoder(model, state.options, family_of(model).decode_step())
+            family = family_of(model)
+            state.decoder = GraphDecoder(model, state.options, family.decode_step(), family.position_check())
         return state.decoder
 
 

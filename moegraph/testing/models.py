@@ -1,4 +1,4 @@
-"""Random-weight Qwen3-MoE models built from named configs, for tests and benchmarks.
+"""Random-weight MoE models (Qwen3-MoE, Mixtral) built from named configs, for tests and benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
@@ -14,7 +14,12 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-# name -> Qwen3MoeConfig keyword arguments
+# model_type -> (config class, causal LM class) in transformers
+_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+# preset name -> model_type, where it is not qwen3_moe
+MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral"}
+
+# name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
     # CPU tests: every code path of the real model at a size that runs in milliseconds.
     "tiny": dict(
@@ -57,13 +62,64 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=151645,
         pad_token_id=151643,
     ),
+    # CPU tests of the Mixtral family: no q/k-norm, softmax top-2, every layer sparse.
+    "tiny-mixtral": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,  # per expert
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    # The real Mixtral-8x7B(-Instruct)-v0.1 shapes (46.7B parameters, 93 GB in bf16); pad_token_id is not in its
+    # config (token 0 is <unk>), set for batched random prompts.
+    "mixtral-8x7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
 }
 
 
-def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
-    """A Qwen3MoeConfig for a named preset; `num_layers` and any config field can be overridden."""
-    from transformers import Qwen3MoeConfig
+def model_type_of(name: str) -> str:
+    """The transformers model_type of a preset."""
+    return MODEL_TYPES.get(name, "qwen3_moe")
 
+
+def _classes(name: str):
+    import transformers
+
+    config_class, model_class = _CLASSES[model_type_of(name)]
+    return getattr(transformers, config_class), getattr(transformers, model_class)
+
+
+def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
+    """The config (Qwen3MoeConfig, MixtralConfig) of a named preset; `num_layers` and any config field can be
+    overridden."""
     if name not in CONFIGS:
         raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
     kwargs = dict(CONFIGS[name])
@@ -72,7 +128,7 @@ def make_config(name: str = "tiny", *, num_layers: int | None = None, **override
             raise InvalidArgumentError(f"num_layers must be >= 1, got {num_layers}")
         kwargs["num_hidden_layers"] = num_layers
     kwargs.update(overrides)
-    return Qwen3MoeConfig(**kwargs)
+    return _classes(name)[0](**kwargs)
 
 
 @contextlib.contextmanager
@@ -98,26 +154,26 @@ def build_model(
     double_quant: bool = False,
     **overrides,
 ):
-    """A Qwen3MoeForCausalLM with random weights, built on `device` in `dtype`, deterministic by seed.
+    """The preset's causal LM (Qwen3MoeForCausalLM, MixtralForCausalLM) with random weights, built on `device` in
+    `dtype`, deterministic by seed.
 
     quant="nf4": the model as `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True))` with moegraph
     loads it (experts in moegraph's NF4, projections as bitsandbytes Linear4bit, lm_head dense), built one
     decoder layer at a time so that peak memory stays near the 4-bit size plus one dense layer.
     """
-    from transformers import Qwen3MoeForCausalLM
-
     if quant not in (None, "nf4"):
         raise InvalidArgumentError(f"quant={quant!r}: choose None or 'nf4'")
     config = make_config(name, num_layers=num_layers, **overrides)
+    model_class = _classes(name)[1]
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     torch.manual_seed(seed)
     if quant == "nf4":
-        return _build_nf4(Qwen3MoeForCausalLM, config, device, dtype, double_quant).eval()
+        return _build_nf4(model_class, config, device, dtype, double_quant).eval()
     with torch.device(device), _default_dtype(dtype):
-        model = Qwen3MoeForCausalLM(config)
+        model = model_class(config)
     return model.eval()
 
 

@@ -1,0 +1,88 @@
+"""Mixtral (Mixtral-8x7B, Mixtral-8x22B): one decode step over the static cache, one new token per row -> logits.
+
+What differs from Qwen3-MoE (models/qwen3_moe.py), per transformers' modeling_mixtral.py:
+- attention: no q/k-norm, RoPE only (the fused q/k-norm + RoPE + cache-write op with its norm weights None);
+- router: MixtralTopKRouter, softmax in float32 over all experts, top-k (2), always renormalised, the weights
+  left in float32 (transformers does not cast them back to the logits' dtype);
+- every layer is sparse (no dense MLP layers);
+- optional sliding window (`config.sliding_window`): the static-cache step attends to every cached position, so a
+  call that could hold more than the window falls back to transformers (`check_positions`), never wrong tokens.
+Same as Qwen3-MoE: pre-norm layers (input_layernorm, post_attention_layernorm), GQA, fused 3D experts dispatched
+through moegraph's experts (the ExpertsInterface implementation the prefill uses too).
+
+Every shape is fixed by the row count and the cache size and nothing syncs with the host: this function is what
+each bucket's graph captures, and also what the eager loop runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..cuda_graph.static_cache import StaticKVCache
+
+
+def check_positions(model: nn.Module, positions: int) -> str | None:
+    """None when a call holding up to `positions` cache positions (prompt, padding included, + new tokens) decodes
+    exactly here, else why not.
+
+    transformers' sliding layers keep the last sliding_window - 1 positions and let each query see sliding_window
+    keys; below that bound the window changes nothing and the full-attention step is exact."""
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and positions > window:
+        return (f"sliding_window={window} with a call that could hold {positions} positions (the decode step "
+                "attends to every cached position; calls within the window take the fast path)")
+    return None
+
+
+def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
+
+    rope_positions [b]: the position ids RoPE uses, where they differ from `positions`; None: the same.
+    ops: the OpTable (moegraph.ops) chosen for this model when the decoder was built."""
+    inner = model.model
+    layers = inner.layers
+    residual = inner.embed_tokens(token_ids)  # [b, H]
+    rope_positions = positions if rope_positions is None else rope_positions
+    cos, sin = inner.rotary_emb(residual[:, None], rope_positions[:, None])  # [b, 1, D]
+    # [b, 1, 1, S] additive mask, built once per step: position p is visible once p <= the row's position
+    visible = torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None]
+    visible = torch.zeros(visible.shape, dtype=residual.dtype, device=residual.device).masked_fill_(
+        ~visible, float("-inf"))[:, None, None, :]
+    first_norm = layers[0].input_layernorm
+    hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
+    for layer_idx, layer in enumerate(layers):
+        attn_out = _attention(layer.self_attn, hidden, cos, sin, positions, visible,
+                              cache.keys[layer_idx], cache.values[layer_idx], ops)
+        post = layer.post_attention_layernorm
+        residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
+        mlp_out = decode_moe(layer.mlp, hidden, ops)
+        norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
+        residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
+    return ops.linear(model.lm_head, hidden).float()
+
+
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+               ops) -> torch.Tensor:
+    rows = hidden.shape[0]
+    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    q, k, v = ops.qkv(attn, hidden)
+    # no q/k-norm: RoPE only, K/V written at `positions`
+    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
+    # one query token per row: the query heads of each KV group fold into the query-length axis (K/V read once)
+    q = q.reshape(rows, key_cache.shape[1], -1, attn.head_dim)  # [b, Hkv, G, D]
+    out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
+                                                     scale=attn.scaling)
+    return ops.linear(attn.o_proj, out.reshape(rows, -1))  # [b, H]
+
+
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+    """MixtralSparseMoeBlock for [b, H] decode rows (eval: no jitter noise). No router logits are recorded."""
+    gate = block.gate
+    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, True, weights_dtype=torch.float32)
+    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

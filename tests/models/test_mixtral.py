@@ -1,0 +1,134 @@
+"""The Mixtral family on the CPU, fp32: patched generate() against unpatched transformers, the sliding-window
+fallback, and the ops its decode step adds (RoPE-only attention, Mixtral's router) against transformers' own."""
+
+import logging
+
+import pytest
+import torch
+from transformers.models.mixtral import modeling_mixtral
+
+import moegraph
+from moegraph.kernels import qk_norm_rope, router_topk, triton_available
+from moegraph.testing import build_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny-mixtral", seed=0)
+
+
+@pytest.fixture(scope="module")
+def case(model):
+    """Unequal left-padded prompts, an EOS id that row 0 emits mid-way (rows stop at different steps), and
+    unpatched transformers' tokens for them."""
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=3, max_len=11, seed=3)
+    free = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, inputs["input_ids"].shape[1] + 3]),
+                  pad_token_id=0)
+    want = model.generate(**inputs, **kwargs)
+    assert (want[0, inputs["input_ids"].shape[1] + 4:] == 0).all()  # row 0 finished mid-batch
+    return inputs, kwargs, want
+
+
+def test_patch_model_greedy_equals_transformers(model, case):
+    inputs, kwargs, want = case
+    moegraph.patch(model, max_batch_size=4)
+    try:
+        got = model.generate(**inputs, **kwargs)
+        stats = moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
+    assert torch.equal(got, want)
+
+
+def test_class_patch_greedy_equals_transformers(model, case):
+    inputs, kwargs, want = case
+    moegraph.patch(max_batch_size=4)
+    built_after = build_model("tiny-mixtral", seed=0)
+    assert built_after.config._experts_implementation == "moegraph"
+    for m in (model, built_after):  # one built before the class patch, one after
+        got = m.generate(**inputs, **kwargs)
+        assert moegraph.decode_stats(m).fallback_reason is None
+        assert torch.equal(got, want)
+    moegraph.unpatch()
+    assert not moegraph.is_patched(built_after)
+
+
+def test_sliding_window_falls_back_beyond_the_window(caplog):
+    windowed = build_model("tiny-mixtral", seed=2, sliding_window=10, num_layers=1)
+    short = random_prompts(2, vocab_size=512, min_len=3, max_len=6, seed=5)  # <= 6 + 4 positions: inside
+    long = random_prompts(2, vocab_size=512, min_len=9, max_len=11, seed=6)  # up to 11 + 4: past the window
+    want_short = windowed.generate(**short, max_new_tokens=4, do_sample=False)
+    want_long = windowed.generate(**long, max_new_tokens=4, do_sample=False)
+    moegraph.patch(windowed, max_batch_size=4)
+    caplog.set_level(logging.WARNING, logger="moegraph")
+    try:
+        assert torch.equal(windowed.generate(**short, max_new_tokens=4, do_sample=False), want_short)
+        assert moegraph.decode_stats(windowed).fallback_reason is None
+        for _ in range(2):  # the reason is logged once per model
+            assert torch.equal(windowed.generate(**long, max_new_tokens=4, do_sample=False), want_long)
+            assert "sliding_window=10" in moegraph.decode_stats(windowed).fallback_reason
+    finally:
+        moegraph.unpatch(windowed)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "sliding_window" in r.getMessage()]
+    assert len(warnings) == 1 and "falls back to transformers" in warnings[0].getMessage()
+
+
+def test_unsupported_model_error_lists_both_families():
+    llama = torch.nn.Module()
+    llama.config = type("Config", (), {"model_type": "llama"})()
+    with pytest.raises(moegraph.UnsupportedModelError, match=r"model_type='llama'.*mixtral.*qwen3_moe"):
+        moegraph.patch(llama)
+
+
+def test_router_matches_mixtral_router():
+    config = build_model("tiny-mixtral").config
+    router = modeling_mixtral.MixtralTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    hidden = torch.randn(9, config.hidden_size)
+    logits, want_w, want_i = router(hidden)
+    got_w, got_i = router_topk.router_topk_ref(logits, config.num_experts_per_tok, True, weights_dtype=torch.float32)
+    assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
+    bf16 = logits.bfloat16()  # a bf16 model: transformers leaves the weights in float32
+    want_w = torch.softmax(bf16.float(), -1).topk(2).values
+    got_w, _ = router_topk.router_topk_ref(bf16, 2, True, weights_dtype=torch.float32)
+    assert got_w.dtype == torch.float32 and torch.equal(got_w, want_w / want_w.sum(-1, keepdim=True))
+    if triton_available(logits):
+        got_w, got_i = router_topk.router_topk(logits, 2, True, weights_dtype=torch.float32)
+        assert torch.equal(got_i, want_i) and got_w.dtype == torch.float32
+        torch.testing.assert_close(got_w, router(hidden)[1], atol=1e-6, rtol=1e-6)
+
+
+def _rope_inputs(dtype, rows=3, q_heads=4, kv_heads=2, head_dim=16, positions_count=8):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(rows, h * head_dim, generator=gen).to(dtype) for h in (q_heads, kv_heads, kv_heads))
+    angle = torch.randn(rows, head_dim, generator=gen)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    positions = torch.tensor([5, 0, 7])[:rows]
+    caches = [torch.full((rows, kv_heads, positions_count, head_dim), 7.0, dtype=dtype) for _ in range(4)]
+    return q, k, v, cos, sin, positions, caches
+
+
+def test_rope_only_reference_is_mixtral_rope():
+    q, k, v, cos, sin, positions, caches = _rope_inputs(torch.float32)
+    got = qk_norm_rope.qk_norm_rope_ref(q, k, v, None, None, cos, sin, positions, caches[0], caches[1], None)
+    want_q, want_k = modeling_mixtral.apply_rotary_pos_emb(q.reshape(3, 4, 16), k.reshape(3, 2, 16), cos, sin,
+                                                           unsqueeze_dim=1)
+    assert torch.equal(got, want_q)
+    assert torch.equal(caches[0][torch.arange(3), :, positions], want_k)
+    assert torch.equal(caches[1][torch.arange(3), :, positions], v.reshape(3, 2, 16))
+
+
+@pytest.mark.skipif(not triton_available(torch.empty(0)), reason="Triton's interpreter cannot run here")
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_rope_only_kernel_matches_reference(dtype, atol):
+    q, k, v, cos, sin, positions, caches = _rope_inputs(dtype)
+    got = qk_norm_rope.qk_norm_rope(q, k, v, None, None, cos, sin, positions, caches[0], caches[1], None)
+    want = qk_norm_rope.qk_norm_rope_ref(q, k, v, None, None, cos, sin, positions, caches[2], caches[3], None)
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    torch.testing.assert_close(caches[0], caches[2], atol=atol, rtol=atol)  # unwritten positions stay 7 in both
+    assert torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="both"):
+        qk_norm_rope.qk_norm_rope(q, k, v, torch.ones(16, dtype=dtype), None, cos, sin, positions, caches[0],
+                                  caches[1], 1e-6)
