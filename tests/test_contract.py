@@ -196,6 +196,31 @@ def test_static_cache_implementation_returns_a_static_cache(model):
     _assert_same_cache(getattr(got, CACHE), getattr(want, CACHE))
 
 
+@pytest.mark.parametrize("cache_implementation", ["static", None])
+def test_an_explicit_compile_config_gets_transformers_compiled_loop(model, cache_implementation, monkeypatch):
+    """compile_config asks for transformers' torch.compile'd decode loop: where transformers would compile (a
+    static cache; `_compile_all_devices` on the CPU) the call is transformers', else it stays on the fast path."""
+    from transformers import CompileConfig
+
+    compiled = []
+
+    def get_compiled_call(compile_config):  # what transformers' loop calls to compile: recorded, not compiled
+        compiled.append(compile_config)
+        return model.__call__
+
+    monkeypatch.setattr(model, "get_compiled_call", get_compiled_call, raising=False)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # as transformers' own tests force it on the CPU
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=35)
+    want, got, stats = _both(model, **inputs, max_new_tokens=4, do_sample=False, compile_config=compile_config,
+                             cache_implementation=cache_implementation)
+    assert torch.equal(got, want)
+    if cache_implementation == "static":
+        assert "compile_config" in stats.fallback_reason and len(compiled) == 2  # unpatched and patched
+    else:
+        assert stats.fallback_reason is None and not compiled
+
+
 # ----- 2. the inputs people pass ------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["int32", "right_padding", "padding_in_the_middle", "inputs_embeds",
                                   "inputs_embeds_and_ids", "default_position_ids", "shifted_position_ids",

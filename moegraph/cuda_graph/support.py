@@ -110,6 +110,18 @@ def check_prepared(logits_processor, stopping_criteria) -> str | None:
     return None
 
 
+def check_compile(model, generation_config, model_kwargs: dict) -> str | None:
+    """An explicit `compile_config` that transformers would honour for this call (its own criteria: a compileable
+    cache, a device it compiles for) asks for transformers' compiled decode loop, so the call is transformers'.
+    Without one, a static cache stays on the fast path (graphs replace what auto-compilation would do)."""
+    if getattr(generation_config, "compile_config", None) is None:
+        return None
+    would_compile = getattr(model, "_valid_auto_compile_criteria", None)
+    if would_compile is None or not would_compile(model_kwargs, generation_config):
+        return None
+    return "compile_config with a compileable cache (transformers' torch.compile'd decode loop)"
+
+
 def check_prompt(attention_mask, position_ids, rows: int, kv_width: int) -> str | None:
     """Checks on the prompt the prefill will see: kv_width = cached positions + uncached input."""
     if attention_mask is not None:
