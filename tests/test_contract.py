@@ -258,6 +258,20 @@ def test_inputs_on_the_fast_path_equal_transformers(model, case):
         assert got.shape[1] == 7 + (ids.shape[1] if case == "inputs_embeds_and_ids" else 0)
 
 
+@pytest.mark.parametrize("case", ["no_inputs", "output_flags_false"])
+def test_calls_that_ask_for_nothing_more_stay_on_the_fast_path(model, case):
+    """generate() with no inputs (transformers starts from BOS) and output_attentions / output_hidden_states
+    given as False: both come from transformers' own generation tests."""
+    if case == "no_inputs":
+        kwargs = dict(bos_token_id=1, return_dict_in_generate=True)
+    else:
+        kwargs = dict(random_prompts(2, vocab_size=model.config.vocab_size, seed=34), output_attentions=False,
+                      output_hidden_states=False, return_dict_in_generate=True)
+    want, got, stats = _both(model, **kwargs, max_new_tokens=5, do_sample=False)
+    assert stats.fallback_reason is None, stats.fallback_reason
+    assert torch.equal(got.sequences, want.sequences)
+
+
 def test_fallback_warns_once_per_model_and_reason(model, moegraph_logs):
     inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=38)
     moegraph.patch(model)
