@@ -196,6 +196,31 @@ def test_static_cache_implementation_returns_a_static_cache(model):
     _assert_same_cache(getattr(got, CACHE), getattr(want, CACHE))
 
 
+@pytest.mark.parametrize("cache_implementation", ["static", None])
+def test_an_explicit_compile_config_gets_transformers_compiled_loop(model, cache_implementation, monkeypatch):
+    """compile_config asks for transformers' torch.compile'd decode loop: where transformers would compile (a
+    static cache; `_compile_all_devices` on the CPU) the call is transformers', else it stays on the fast path."""
+    from transformers import CompileConfig
+
+    compiled = []
+
+    def get_compiled_call(compile_config):  # what transformers' loop calls to compile: recorded, not compiled
+        compiled.append(compile_config)
+        return model.__call__
+
+    monkeypatch.setattr(model, "get_compiled_call", get_compiled_call, raising=False)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # as transformers' own tests force it on the CPU
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=35)
+    want, got, stats = _both(model, **inputs, max_new_tokens=4, do_sample=False, compile_config=compile_config,
+                             cache_implementation=cache_implementation)
+    assert torch.equal(got, want)
+    if cache_implementation == "static":
+        assert "compile_config" in stats.fallback_reason and len(compiled) == 2  # unpatched and patched
+    else:
+        assert stats.fallback_reason is None and not compiled
+
+
 # ----- 2. the inputs people pass ------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["int32", "right_padding", "padding_in_the_middle", "inputs_embeds",
                                   "inputs_embeds_and_ids", "default_position_ids", "shifted_position_ids",
@@ -231,6 +256,20 @@ def test_inputs_on_the_fast_path_equal_transformers(model, case):
     assert torch.equal(got, want)
     if case.startswith("inputs_embeds"):
         assert got.shape[1] == 7 + (ids.shape[1] if case == "inputs_embeds_and_ids" else 0)
+
+
+@pytest.mark.parametrize("case", ["no_inputs", "output_flags_false"])
+def test_calls_that_ask_for_nothing_more_stay_on_the_fast_path(model, case):
+    """generate() with no inputs (transformers starts from BOS) and output_attentions / output_hidden_states
+    given as False: both come from transformers' own generation tests."""
+    if case == "no_inputs":
+        kwargs = dict(bos_token_id=1, return_dict_in_generate=True)
+    else:
+        kwargs = dict(random_prompts(2, vocab_size=model.config.vocab_size, seed=34), output_attentions=False,
+                      output_hidden_states=False, return_dict_in_generate=True)
+    want, got, stats = _both(model, **kwargs, max_new_tokens=5, do_sample=False)
+    assert stats.fallback_reason is None, stats.fallback_reason
+    assert torch.equal(got.sequences, want.sequences)
 
 
 def test_fallback_warns_once_per_model_and_reason(model, moegraph_logs):

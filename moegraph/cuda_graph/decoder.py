@@ -258,7 +258,8 @@ class GraphDecoder:
 
     def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
         rows = input_ids.shape[0]
-        reason = support.check_prepared(logits_processor, stopping_criteria)
+        reason = (support.check_prepared(logits_processor, stopping_criteria)
+                  or support.check_compile(self.model, generation_config, model_kwargs))
         once_key = None
         if reason is None and generation_config.return_dict_in_generate and rows > self.options.max_batch_size \
                 and (generation_config.output_scores or generation_config.output_logits):

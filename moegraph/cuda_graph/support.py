@@ -51,7 +51,7 @@ def check_call(model, args: tuple, kwargs: dict) -> str | None:
     embeds = kwargs.get("inputs_embeds")
     if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 3):
         return "inputs_embeds other than a [batch, length, hidden] tensor"
-    if (input_ids is not None or embeds is None) and (
+    if input_ids is not None and (
             not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
             or input_ids.dtype not in (torch.long, torch.int32)):
         return "inputs other than a 2D int64 or int32 tensor of token ids"
@@ -85,12 +85,13 @@ def _check_generation_config(model, args, kwargs) -> str | None:
         return "arguments transformers rejects"
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"generation mode {mode.value}"
-    extra = sorted(set(model_kwargs) - _MODEL_KWARGS)
+    flags = ("output_attentions", "output_hidden_states")  # some versions keep them in model_kwargs
+    for flag in flags:
+        if getattr(config, flag, False) or model_kwargs.get(flag):
+            return flag
+    extra = sorted(set(model_kwargs) - _MODEL_KWARGS - set(flags))  # a False flag asks for nothing
     if extra:
         return f"model kwargs {extra}"
-    for flag in ("output_attentions", "output_hidden_states"):
-        if getattr(config, flag, False):
-            return flag
     for field in ("stop_strings", "max_time", "prefill_chunk_size"):
         if getattr(config, field, None) is not None:
             return field
@@ -108,6 +109,18 @@ def check_prepared(logits_processor, stopping_criteria) -> str | None:
         if type(criterion).__name__ not in SUPPORTED_CRITERIA:
             return f"stopping criterion {type(criterion).__name__}"
     return None
+
+
+def check_compile(model, generation_config, model_kwargs: dict) -> str | None:
+    """An explicit `compile_config` that transformers would honour for this call (its own criteria: a compileable
+    cache, a device it compiles for) asks for transformers' compiled decode loop, so the call is transformers'.
+    Without one, a static cache stays on the fast path (graphs replace what auto-compilation would do)."""
+    if getattr(generation_config, "compile_config", None) is None:
+        return None
+    would_compile = getattr(model, "_valid_auto_compile_criteria", None)
+    if would_compile is None or not would_compile(model_kwargs, generation_config):
+        return None
+    return "compile_config with a compileable cache (transformers' torch.compile'd decode loop)"
 
 
 def check_prompt(attention_mask, position_ids, rows: int, kv_width: int) -> str | None:
