@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ._shared import gqa_attention, prenorm_decode_forward
+
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
@@ -40,30 +42,8 @@ def check_positions(model: nn.Module, positions: int) -> str | None:
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                    ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
-    """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
-
-    rope_positions [b]: the position ids RoPE uses, where they differ from `positions`; None: the same.
-    ops: the OpTable (moegraph.ops) chosen for this model when the decoder was built."""
-    inner = model.model
-    layers = inner.layers
-    residual = inner.embed_tokens(token_ids)  # [b, H]
-    rope_positions = positions if rope_positions is None else rope_positions
-    cos, sin = inner.rotary_emb(residual[:, None], rope_positions[:, None])  # [b, 1, D]
-    # [b, 1, 1, S] additive mask, built once per step: position p is visible once p <= the row's position
-    visible = torch.arange(cache.positions, device=positions.device)[None, :] <= positions[:, None]
-    visible = torch.zeros(visible.shape, dtype=residual.dtype, device=residual.device).masked_fill_(
-        ~visible, float("-inf"))[:, None, None, :]
-    first_norm = layers[0].input_layernorm
-    hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
-    for layer_idx, layer in enumerate(layers):
-        attn_out = _attention(layer.self_attn, hidden, cos, sin, positions, visible,
-                              cache.keys[layer_idx], cache.values[layer_idx], ops)
-        post = layer.post_attention_layernorm
-        residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
-        mlp_out = decode_moe(layer.mlp, hidden, ops)
-        norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
-        residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
-    return ops.linear(model.lm_head, hidden).float()
+    """One step for every row (moegraph.models._shared.prenorm_decode_forward): RoPE-only attention, MoE blocks."""
+    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe)
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
@@ -73,11 +53,7 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     q, k, v = ops.qkv(attn, hidden)
     # no q/k-norm: RoPE only, K/V written at `positions`
     q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
-    # one query token per row: the query heads of each KV group fold into the query-length axis (K/V read once)
-    q = q.reshape(rows, key_cache.shape[1], -1, attn.head_dim)  # [b, Hkv, G, D]
-    out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
-                                                     scale=attn.scaling)
-    return ops.linear(attn.o_proj, out.reshape(rows, -1))  # [b, H]
+    return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
 
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:

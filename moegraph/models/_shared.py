@@ -1,0 +1,67 @@
+"""Pieces of a decode step that pre-norm MoE families share: the layer loop, the causal mask, GQA attention.
+
+A family's module supplies what differs (its attention's q/k treatment, its MoE block) and calls
+`prenorm_decode_forward`; every shape is fixed by the row count and the cache size, nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..cuda_graph.static_cache import StaticKVCache
+
+# (attention module, hidden [b, H], cos, sin, positions, visible, key_cache, value_cache, ops) -> [b, H]
+Attention = Callable[..., torch.Tensor]
+# (MLP module, hidden [b, H], ops) -> [b, H]
+Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
+
+
+def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                           ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp) -> torch.Tensor:
+    """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
+
+    rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers counts a
+    right-padded or custom-positioned row differently from its compact index); None: the same.
+    Per layer: add+RMSNorm, attention, add+RMSNorm, MLP; the residual adds are fused into the next norm."""
+    inner = model.model
+    layers = inner.layers
+    residual = inner.embed_tokens(token_ids)  # [b, H]
+    rope_positions = positions if rope_positions is None else rope_positions
+    cos, sin = inner.rotary_emb(residual[:, None], rope_positions[:, None])  # [b, 1, D]
+    visible = causal_mask(cache.positions, positions, residual.dtype)
+    first_norm = layers[0].input_layernorm
+    hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
+    for layer_idx, layer in enumerate(layers):
+        attn_out = attention(layer.self_attn, hidden, cos, sin, positions, visible, cache.keys[layer_idx],
+                             cache.values[layer_idx], ops)
+        post = layer.post_attention_layernorm
+        residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
+        mlp_out = mlp(layer.mlp, hidden, ops)
+        norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
+        residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
+    return ops.linear(model.lm_head, hidden).float()
+
+
+def causal_mask(cache_positions: int, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, 1, 1, S] additive mask, built once per step (a boolean mask would be converted in every layer):
+    position p is visible to a row once p <= the row's current position."""
+    visible = torch.arange(cache_positions, device=positions.device)[None, :] <= positions[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+        ~visible, float("-inf"))[:, None, None, :]
+
+
+def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  visible: torch.Tensor, ops) -> torch.Tensor:
+    """Attention of one query token per row over the cached positions, then o_proj: [b, Hq, D] -> [b, H].
+
+    The query heads of each KV group fold into the query-length axis, so attention reads each cached K/V once
+    instead of expanding it per query head."""
+    rows = q.shape[0]
+    q = q.reshape(rows, key_cache.shape[1], -1, attn.head_dim)  # [b, Hkv, G, D]
+    out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
+                                                     scale=attn.scaling)
+    return ops.linear(attn.o_proj, out.reshape(rows, -1))
