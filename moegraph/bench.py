@@ -1,12 +1,13 @@
 """`python -m moegraph bench`: decode speed against transformers, as tok/s and as a fraction of the
-memory-bandwidth roofline, on random-weight Qwen3-30B-A3B shapes (no downloads).
+memory-bandwidth roofline, on random-weight full-size presets of moegraph.testing (`--model`, default
+Qwen3-30B-A3B; no downloads).
 
 Workload: fixed-seed token-id prompts of 16-128 tokens, `--new-tokens` greedy tokens with
 min_new_tokens = max_new_tokens, warm-up, then the median of `--runs` timed runs. Prefill is timed
 separately (a 1-token generate for transformers' backends; the decoder's own split for moegraph).
 Roofline: bytes one decode step must read (distinct experts hit per layer, counted from the
-router, x bytes per expert + attention + router + lm_head + norms + the KV cache read) over the
-device copy bandwidth measured in the same run. A case that fails or does not fit the time
+router, x bytes per expert as stored + every other decoder-layer weight + lm_head + the KV cache
+read; `step_bytes`) over the device copy bandwidth measured in the same run. A case that fails or does not fit the time
 budget is reported as such.
 """
 
@@ -31,7 +32,6 @@ PRIORITY = ("moegraph", "hf", "moegraph_eager", "hf_batched_mm", "hf_static_comp
 # hf_4bit: transformers as load_in_4bit leaves it (Linear4bit projections, experts still bf16);
 # moegraph_nf4: moegraph with NF4 experts and Linear4bit projections.
 QUANT_BACKENDS = ("hf_4bit", "moegraph_nf4")
-NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + one fp32 absmax per 64 weights
 
 
 @dataclass
@@ -103,22 +103,53 @@ def count_distinct_experts(model, prompts, steps: int = 4) -> float:
     return sum(counts) / max(len(counts), 1)
 
 
-def step_bytes(config, batch_size: int, distinct_experts: float, context: float, dtype_bytes: int = 2,
-               weight_bytes: float | None = None) -> dict:
-    """Bytes one decode step reads at the least, by part. weight_bytes: bytes per expert and projection
-    weight (default dtype_bytes; NF4_BYTES_PER_WEIGHT for 4-bit); router, norms, lm_head, KV stay dtype_bytes."""
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    layers = config.num_hidden_layers
-    weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
-    parts = {
-        "experts": layers * distinct_experts * 3 * h * config.moe_intermediate_size * weight_bytes,
-        "attention": layers * (h * q + 2 * h * kv + q * h) * weight_bytes,
-        "router": layers * config.num_experts * h * dtype_bytes,
-        "norms": layers * (2 * h + 2 * d) * dtype_bytes + h * dtype_bytes,
-        "lm_head": config.vocab_size * h * dtype_bytes,
-        "kv_cache": layers * batch_size * context * 2 * kv * dtype_bytes,
-    }
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, with the quantization state of bitsandbytes 4-bit weights
+    (its absmax and nested statistics live on `weight.quant_state`, not in the module)."""
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        total += t.numel() * t.element_size()
+        state = getattr(t, "quant_state", None)
+        for stat in (state, getattr(state, "state2", None)) if state is not None else ():
+            for name in ("absmax", "code", "offset"):
+                value = getattr(stat, name, None) if stat is not None else None
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+    return total
+
+
+def _experts_module(layer: torch.nn.Module):
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return experts if experts is not None and hasattr(experts, "num_experts") else None
+
+
+def step_bytes(model, batch_size: int, distinct_experts: float, context: float) -> dict:
+    """Bytes one decode step of `model` reads at the least, by part, counted from the model's own tensors as they
+    are stored (bf16, or NF4 codes plus their absmax): `distinct_experts` experts per MoE layer, every other
+    weight of the decoder layers once, the lm_head, the embedding rows of the batch, and the KV cache of
+    `context` positions per row."""
+    config = model.config
+    inner = model.model
+    parts = dict.fromkeys(("experts", "attention", "other_layer_weights", "lm_head", "embeddings", "kv_cache"), 0.0)
+    for layer in inner.layers:
+        experts = _experts_module(layer)
+        expert_bytes = _tensor_bytes(experts) if experts is not None else 0
+        if experts is not None:
+            # tensors with an expert axis are read for the distinct experts only; tables (NF4's nested code) once
+            stacked = sum(t.numel() * t.element_size() for t in list(experts.parameters()) + list(experts.buffers())
+                          if t.dim() >= 1 and t.shape[0] == experts.num_experts)
+            parts["experts"] += distinct_experts * stacked / experts.num_experts + expert_bytes - stacked
+        attention = _tensor_bytes(layer.self_attn)
+        parts["attention"] += attention
+        parts["other_layer_weights"] += _tensor_bytes(layer) - attention - expert_bytes  # norms, router, dense MLPs
+    parts["other_layer_weights"] += _tensor_bytes(inner.norm)
+    parts["lm_head"] = _tensor_bytes(model.lm_head)
+    embed = inner.embed_tokens.weight
+    parts["embeddings"] = batch_size * embed.shape[1] * embed.element_size()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_dtype_bytes = embed.element_size()
+    parts["kv_cache"] = (len(inner.layers) * batch_size * context * 2 * config.num_key_value_heads * head_dim
+                         * kv_dtype_bytes)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -239,7 +270,8 @@ def _plot(results, path):
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("tok/s (batch x new tokens / total time)")
-    ax.set_title(f"{results['model']} ({results['num_layers']} layers, bf16) on {results['gpu']}")
+    ax.set_title(f"{results['model']} ({results['num_layers']} layers, {results.get('dtype', 'bfloat16')}) on "
+                 f"{results['gpu']}")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -261,7 +293,6 @@ def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: in
     if unknown:
         raise moegraph.InvalidArgumentError(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
     device = next(model.parameters()).device
-    dtype_bytes = next(model.parameters()).element_size()
     bandwidth = measure_copy_bandwidth(device)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "copy_bandwidth_tb_s": bandwidth / 1e12, "new_tokens": new_tokens, "roofline": {}, "cases": []}
@@ -273,7 +304,7 @@ def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: in
                                              max_len=max_len, seed=batch_size, device=device)
         distinct = count_distinct_experts(model, prompts[batch_size])
         context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + new_tokens / 2
-        parts = step_bytes(model.config, batch_size, distinct, context, dtype_bytes=dtype_bytes)
+        parts = step_bytes(model, batch_size, distinct, context)
         results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "step_bytes": parts,
                                            "roofline_tok_s": batch_size / (parts["total"] / bandwidth)}
     todo = [(b, n) for b in sorted(backends, key=PRIORITY.index) for n in batch_sizes]
@@ -292,25 +323,36 @@ def run_bench(args) -> int:
     if unknown:
         print(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
         return 2
+    from moegraph.testing.models import CONFIGS
+
+    if args.model not in CONFIGS:
+        print(f"unknown --model {args.model!r}; choose one of {sorted(CONFIGS)}")
+        return 2
+    if args.double_quant and args.quant != "nf4":
+        print("--double-quant needs --quant nf4")
+        return 2
     started = time.perf_counter()
     deadline = started + args.total_budget_s
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     backends = [b for b in BACKENDS if b in args.backends.split(",")]
-    model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16, seed=0)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args.model, num_layers=args.num_layers, device="cuda", dtype=dtype, seed=0)
+    num_layers = model.config.num_hidden_layers
     bandwidth = measure_copy_bandwidth("cuda")
     results = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "moegraph": moegraph.__version__, "model": "qwen3-30b-a3b (random weights)", "num_layers": args.num_layers,
-        "new_tokens": args.new_tokens, "copy_bandwidth_tb_s": bandwidth / 1e12, "cases": [], "roofline": {},
+        "moegraph": moegraph.__version__, "model": f"{args.model} (random weights)", "num_layers": num_layers,
+        "dtype": args.dtype, "new_tokens": args.new_tokens, "copy_bandwidth_tb_s": bandwidth / 1e12, "cases": [],
+        "roofline": {},
     }
     from moegraph.moe.select import describe_moe_backend
 
-    choice = describe_moe_backend("cuda", torch.bfloat16)
+    choice = describe_moe_backend("cuda", dtype)
     results["moe_backend"] = f"{choice.name}: {choice.reason}"
     print(f"bench: {results['gpu']}, torch {results['torch']}, transformers {results['transformers']}, "
-          f"{args.num_layers} layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s, moegraph MoE backend "
-          f"{results['moe_backend']}", flush=True)
+          f"{args.model} {num_layers} layers {args.dtype}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, moegraph MoE "
+          f"backend {results['moe_backend']}", flush=True)
     runner = Runner(model, args, deadline)
     prompts = {}
     for batch_size in batch_sizes:
@@ -318,28 +360,17 @@ def run_bench(args) -> int:
                                              max_len=128, seed=batch_size, device="cuda")
         distinct = count_distinct_experts(model, prompts[batch_size])
         context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + args.new_tokens / 2
-        parts = step_bytes(model.config, batch_size, distinct, context)
-        roofline = batch_size / (parts["total"] / bandwidth)
-        results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "step_bytes": parts,
-                                           "roofline_tok_s": roofline}
-        line = (f"batch {batch_size}: {distinct:.1f} distinct experts/layer, {parts['total'] / 1e9:.2f} GB/step, "
-                f"roofline {roofline:.0f} tok/s")
-        if args.quant == "nf4":
-            parts4 = step_bytes(model.config, batch_size, distinct, context, weight_bytes=NF4_BYTES_PER_WEIGHT)
-            results["roofline"][batch_size]["nf4_step_bytes"] = parts4
-            results["roofline"][batch_size]["nf4_roofline_tok_s"] = batch_size / (parts4["total"] / bandwidth)
-            line += (f"; NF4 {parts4['total'] / 1e9:.2f} GB/step, roofline "
-                     f"{results['roofline'][batch_size]['nf4_roofline_tok_s']:.0f} tok/s")
-        print(line, flush=True)
+        results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "context": context}
+        _add_roofline(results, "", model, batch_size, bandwidth)
     cases = []
     # the most telling comparisons first, so that a tight budget trims the others
     for backend in sorted(backends, key=PRIORITY.index):
         for batch_size in batch_sizes:
             cases.append(_run_case(runner, backend, batch_size, prompts, results))
     if args.quant == "nf4":
-        cases += _run_nf4_cases(runner, model, batch_sizes, prompts, results, args)
+        cases += _run_nf4_cases(runner, model, batch_sizes, prompts, results, args, bandwidth)
         del runner, model
-        results["loading"] = measure_nf4_loading(args.num_layers)
+        results["loading"] = measure_nf4_loading(args.model, num_layers, dtype, args.double_quant)
         print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
         model = None
     cases.sort(key=lambda c: (c.batch_size, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
@@ -347,7 +378,8 @@ def run_bench(args) -> int:
     profile = profile_one_step(model, 1) if args.profile and model is not None else None
     results["profile"] = profile
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench_{args.num_layers}l")
+    stem = os.path.join(args.out, f"bench_{args.model}_{num_layers}l_{args.dtype}"
+                        + (f"_nf4{'_dq' if args.double_quant else ''}" if args.quant == "nf4" else ""))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=2, default=str)
     plot = _plot(results, stem + ".png")
@@ -358,64 +390,84 @@ def run_bench(args) -> int:
     return 0
 
 
+def _add_roofline(results, prefix: str, model, batch_size: int, bandwidth: float):
+    """Store (and print) the step bytes and roofline of `model` as it is now, under `prefix` ("" for the model as
+    built, "hf_4bit_" with Linear4bit projections, "nf4_" with NF4 experts too)."""
+    entry = results["roofline"][batch_size]
+    parts = step_bytes(model, batch_size, entry["distinct_experts_per_layer"], entry["context"])
+    entry[prefix + "step_bytes"] = parts
+    entry[prefix + "roofline_tok_s"] = batch_size / (parts["total"] / bandwidth)
+    print(f"batch {batch_size}{' ' + prefix.rstrip('_') if prefix else ''}: "
+          f"{entry['distinct_experts_per_layer']:.1f} distinct experts/layer, {parts['total'] / 1e9:.2f} GB/step, "
+          f"roofline {entry[prefix + 'roofline_tok_s']:.0f} tok/s", flush=True)
+
+
 def _run_case(runner, backend, batch_size, prompts, results) -> Case:
     case = runner.run(backend, batch_size, prompts[batch_size])
-    key = "nf4_roofline_tok_s" if backend in QUANT_BACKENDS else "roofline_tok_s"
-    case.roofline_tok_s = results["roofline"][batch_size][key]
+    prefix = {"hf_4bit": "hf_4bit_", "moegraph_nf4": "nf4_"}.get(backend, "")
+    case.roofline_tok_s = results["roofline"][batch_size][prefix + "roofline_tok_s"]
     print(f"  {backend:<18} bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
           f"{case.decode_ms_per_step:8.2f} ms/step" + (f"  ({'; '.join(case.notes)})" if case.notes else ""),
           flush=True)
     return case
 
 
-def _run_nf4_cases(runner, model, batch_sizes, prompts, results, args) -> list:
-    """Quantize the bf16 model in place, as load_in_4bit would (projections), then as moegraph does (experts)."""
+def _run_nf4_cases(runner, model, batch_sizes, prompts, results, args, bandwidth) -> list:
+    """Quantize the model in place, as load_in_4bit would (projections), then as moegraph does (experts)."""
     from moegraph.quant.experts import quantize_experts
     from moegraph.quant.projections import quantize_projections
 
     cases = []
-    quantize_projections(model)
+    quantize_projections(model, double_quant=args.double_quant)
+    for batch_size in batch_sizes:
+        _add_roofline(results, "hf_4bit_", model, batch_size, bandwidth)
     if "hf" in args.backends.split(","):
         for batch_size in batch_sizes:
-            case = _run_case(runner, "hf", batch_size, prompts, results)
+            case = runner.run("hf", batch_size, prompts[batch_size])
             case.backend = "hf_4bit"
-            case.roofline_tok_s = results["roofline"][batch_size]["nf4_roofline_tok_s"]
+            case.roofline_tok_s = results["roofline"][batch_size]["hf_4bit_roofline_tok_s"]
             cases.append(case)
-    quantize_experts(model)
+            print(f"  hf_4bit            bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
+                  f"{case.decode_ms_per_step:8.2f} ms/step", flush=True)
+    quantize_experts(model, double_quant=args.double_quant)
     torch.cuda.empty_cache()
     results["nf4_memory_gb"] = torch.cuda.memory_allocated() / 1e9
-    print(f"NF4 model in memory: {results['nf4_memory_gb']:.2f} GB", flush=True)
+    print(f"NF4 model in memory (with what earlier cases left allocated): {results['nf4_memory_gb']:.2f} GB",
+          flush=True)
+    for batch_size in batch_sizes:
+        _add_roofline(results, "nf4_", model, batch_size, bandwidth)
     for batch_size in batch_sizes:
         cases.append(_run_case(runner, "moegraph_nf4", batch_size, prompts, results))
     return cases
 
 
-def measure_nf4_loading(num_layers: int) -> dict:
+def measure_nf4_loading(name: str, num_layers: int, dtype: torch.dtype, double_quant: bool) -> dict:
     """GPU memory while building the NF4 model one layer at a time (the quantize-as-it-arrives path) and after."""
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = build_model("qwen3-30b-a3b", num_layers=num_layers, device="cuda", dtype=torch.bfloat16, seed=0,
-                        quant="nf4")
+    model = build_model(name, num_layers=num_layers, device="cuda", dtype=dtype, seed=0, quant="nf4",
+                        double_quant=double_quant)
     after = torch.cuda.memory_allocated() - base
     peak = torch.cuda.max_memory_allocated() - base
     del model
     torch.cuda.empty_cache()
-    return {"after_gb": after / 1e9, "peak_gb": peak / 1e9}
+    return {"after_gb": after / 1e9, "peak_gb": peak / 1e9, "double_quant": double_quant}
 
 
 def _table(cases, results, elapsed) -> str:
-    hf = {c.batch_size: c.tok_s for c in cases if c.backend == "hf" and c.status == "ok"}
+    """One row per case; "vs hf" and "roofline" compare decode tok/s (the roofline is that of a decode step)."""
+    hf = {c.batch_size: c.decode_tok_s for c in cases if c.backend == "hf" and c.status == "ok"}
     head = (f"\n{results['gpu']} | torch {results['torch']} | transformers {results['transformers']} | "
-            f"{results['date']} | {results['num_layers']} layers bf16 | {results['new_tokens']} new tokens | "
-            f"copy {results['copy_bandwidth_tb_s']:.2f} TB/s | moegraph MoE {results['moe_backend'].split(':')[0]} | "
-            f"{elapsed:.0f} s\n")
+            f"{results['date']} | {results['model']} {results['num_layers']} layers {results['dtype']} | "
+            f"{results['new_tokens']} new tokens | copy {results['copy_bandwidth_tb_s']:.2f} TB/s | moegraph MoE "
+            f"{results['moe_backend'].split(':')[0]} | {elapsed:.0f} s\n")
     rows = [f"{'backend':<18} {'bs':>3} {'tok/s':>8} {'decode tok/s':>12} {'ms/step':>8} {'prefill ms':>10} "
             f"{'vs hf':>6} {'roofline':>8} {'peak GB':>7} {'capture s':>9} {'1st call s':>10}  status"]
     for c in cases:
-        speedup = c.tok_s / hf[c.batch_size] if c.batch_size in hf else math.nan
+        speedup = c.decode_tok_s / hf[c.batch_size] if c.batch_size in hf else math.nan
         rows.append(f"{c.backend:<18} {c.batch_size:>3} {c.tok_s:8.1f} {c.decode_tok_s:12.1f} "
                     f"{c.decode_ms_per_step:8.2f} {c.prefill_ms:10.1f} {speedup:6.2f} "
-                    f"{c.tok_s / c.roofline_tok_s:8.1%} {c.peak_gb:7.1f} {c.capture_s:9.2f} {c.first_call_s:10.1f}  "
-                    f"{c.status}{' (' + '; '.join(c.notes) + ')' if c.notes else ''}")
+                    f"{c.decode_tok_s / c.roofline_tok_s:8.1%} {c.peak_gb:7.1f} {c.capture_s:9.2f} "
+                    f"{c.first_call_s:10.1f}  {c.status}{' (' + '; '.join(c.notes) + ')' if c.notes else ''}")
     return head + "\n".join(rows)

@@ -160,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.set_defaults(func=_accuracy)
 
     bench = sub.add_parser("bench", help="decode benchmark against transformers, with the bandwidth roofline")
-    bench.add_argument("--num-layers", type=int, default=48, help="decoder layers of the full-size model")
+    bench.add_argument("--model", default="qwen3-30b-a3b",
+                       help="preset of moegraph.testing (random weights), e.g. qwen3-30b-a3b, mixtral-8x7b")
+    bench.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: all of the preset)")
+    bench.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     bench.add_argument("--batch-sizes", default="1,8,32,64")
     bench.add_argument("--backends", default="hf,hf_batched_mm,hf_static_compile,moegraph_eager,moegraph")
     bench.add_argument("--new-tokens", type=int, default=64)
@@ -169,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time budget per backend and batch size; over it a case is reported, not run")
     bench.add_argument("--total-budget-s", type=float, default=540.0,
                        help="wall-clock budget of the whole run; cases that no longer fit are reported as over budget")
-    bench.add_argument("--quant", choices=["none", "nf4"], default="none")
+    bench.add_argument("--quant", choices=["none", "nf4"], default="none",
+                       help="nf4: after the cases above, the same model with Linear4bit projections (hf_4bit) and "
+                            "then NF4 experts too (moegraph_nf4)")
+    bench.add_argument("--double-quant", action="store_true",
+                       help="with --quant nf4: double-quantized absmax (bnb_4bit_use_double_quant)")
     bench.add_argument("--profile", action="store_true", help="kernels per layer and top kernels of one step")
     bench.add_argument("--out", default="results", help="folder for the JSON and the PNG plot")
     bench.set_defaults(func=_bench)
