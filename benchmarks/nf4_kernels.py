@@ -35,37 +35,31 @@ LINEAR_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]  # (K, N): q (and o's 
 MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 ROWS = [1, 8]
 L = NF4LinearConfig
-LINEAR_CONFIGS = {  # name: (bn, bk, warps, lookup, stages, split) as given; "auto" is the launcher's choice
+LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at M = 1 only (M >= 2 takes tensor cores)
     "auto": L(),
-    "fma bn32 bk256 w8": L(use_dot=False, block_n=32, num_warps=8),
-    "fma bn32 bk256 w4": L(use_dot=False, block_n=32, num_warps=4),
-    "fma bn64 bk256 w8": L(use_dot=False, block_n=64, num_warps=8),
     "fma bn16 bk256 w4": L(use_dot=False, block_n=16, num_warps=4),
-    "fma bn32 bk128 w4": L(use_dot=False, block_n=32, block_k=128, num_warps=4),
-    "fma bn32 bk256 w8 lk2": L(use_dot=False, block_n=32, num_warps=8, lookup=2),
-    "fma bn32 bk256 w8 split1": L(use_dot=False, block_n=32, num_warps=8, split_k=1),
-    "fma bn32 bk256 w8 split2": L(use_dot=False, block_n=32, num_warps=8, split_k=2),
-    "dot bn64 bk256 w4": L(use_dot=True, block_n=64, num_warps=4),
-    "dot bn64 bk256 w4 st1": L(use_dot=True, block_n=64, num_warps=4, num_stages=1),
-    "dot bn64 bk128 w4": L(use_dot=True, block_n=64, block_k=128, num_warps=4),
-    "dot bn64 bk256 w8": L(use_dot=True, block_n=64, num_warps=8),
-    "dot bn32 bk256 w2": L(use_dot=True, block_n=32, num_warps=2),
-    "dot bn64 bk256 w4 lk2": L(use_dot=True, block_n=64, num_warps=4, lookup=2),
-    "dot bn64 bk256 w4 split2": L(use_dot=True, block_n=64, num_warps=4, split_k=2),
+    "fma bn8 bk256 w4": L(use_dot=False, block_n=8, num_warps=4),
+    "fma bn8 bk512 w4": L(use_dot=False, block_n=8, block_k=512, num_warps=4),
+    "fma bn16 bk512 w4": L(use_dot=False, block_n=16, block_k=512, num_warps=4),
+    "fma bn16 bk1024 w4": L(use_dot=False, block_n=16, block_k=1024, num_warps=4),
+    "fma bn16 bk1024 w8": L(use_dot=False, block_n=16, block_k=1024, num_warps=8),
+    "fma bn8 bk1024 w4": L(use_dot=False, block_n=8, block_k=1024, num_warps=4),
+    "fma bn32 bk1024 w8": L(use_dot=False, block_n=32, block_k=1024, num_warps=8),
+    "fma bn16 bk1024 w4 split1": L(use_dot=False, block_n=16, block_k=1024, num_warps=4, split_k=1),
+    "fma bn8 bk2048 w4 split1": L(use_dot=False, block_n=8, block_k=2048, num_warps=4, split_k=1),
 }
 C = NF4MoEConfig
-MOE_CONFIGS = {  # name: gate_up / down block_n, block_k, warps, lookup, stages
+MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
     "auto": C(),
-    "fma 32/64 bk256 w8": C(use_dot=False, num_warps=8),
-    "fma 32/32 bk128 w8": C(use_dot=False, down_block_n=32, block_k=128, num_warps=8),
-    "fma 16/32 bk256 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=4),
-    "fma 32/64 bk256 w4": C(use_dot=False, num_warps=4),
-    "fma 32/64 bk128 w4": C(use_dot=False, block_k=128, num_warps=4),
-    "fma 32/64 bk256 w8 lk2": C(use_dot=False, num_warps=8, lookup=2),
-    "dot 64/64 bk128 w4": C(use_dot=True, gate_up_block_n=64, block_k=128, num_warps=4),
-    "dot 64/64 bk256 w4 st1": C(use_dot=True, gate_up_block_n=64, num_warps=4, num_stages=1),
-    "dot 32/64 bk256 w2/4": C(use_dot=True),
-    "dot 64/128 bk256 w8": C(use_dot=True, gate_up_block_n=64, down_block_n=128, num_warps=8),
+    "fma 8/16 bk256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=4),
+    "fma 16/32 bk512 w4": C(use_dot=False, block_k=512, num_warps=4),
+    "fma 8/16 bk512 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=4),
+    "fma 16/32 bk1024 w4": C(use_dot=False, block_k=1024, num_warps=4),
+    "fma 16/32 bk1024 w8": C(use_dot=False, block_k=1024, num_warps=8),
+    "fma 8/16 bk1024 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=4),
+    "fma 8/8 bk1024 w2": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=1024, num_warps=2),
+    "fma 16/16 bk1024 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=16, block_k=1024, num_warps=4),
+    "fma 8/16 bk2048 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=2048, num_warps=4),
 }
 
 
@@ -135,6 +129,8 @@ def bench_linear(rows_out, copy_bw, gen):
                 moved = nf4_bytes(n, k, nested) + 2 * m * (k + n)
                 configs = LINEAR_CONFIGS if not nested else dict([next(iter(LINEAR_CONFIGS.items()))])
                 for name, cfg in configs.items():
+                    if m > 1 and name.startswith("fma"):
+                        continue
                     run = lambda w, cfg=cfg: nf4_linear(x, w.packed, w.absmax, code, n, k, config=cfg, **extra(w))  # noqa
                     try:
                         err = rel_err(run(w0), want)

@@ -237,15 +237,18 @@ def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
 @triton.jit
 def _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
-                    LOOKUP: tl.constexpr):
+                    LOOKUP: tl.constexpr, STEP_SUM: tl.constexpr):
     if not USE_DOT:
         # the NF4 values in float32, never rounded: sum code * x over the tile, then scale by each absmax once
         codes_even, codes_odd = _nf4_codes(packed, code_ptr, table, BLOCK_N, BLOCK_K, LOOKUP)
         partial = codes_even * x_even[None, :]
         partial += codes_odd * x_odd[None, :]
-        return acc + partial * _broadcast_absmax(absmax, BLOCK_N, BLOCK_K, ALIGNED)
-    even, odd = _nf4_decode(packed, absmax, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, LOOKUP)
-    if USE_DOT:
+        partial = partial * _broadcast_absmax(absmax, BLOCK_N, BLOCK_K, ALIGNED)
+        if STEP_SUM:
+            partial = tl.sum(partial, axis=1)
+        acc += partial
+    else:
+        even, odd = _nf4_decode(packed, absmax, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, ALIGNED, LOOKUP)
         if DOT_FP32:
             # fp32 operands: fp32 data (ieee, no tf32 rounding), or the CPU interpreter (bf16 dots are wrong there)
             acc = tl.dot(even.to(tl.float32), tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
@@ -253,9 +256,6 @@ def _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE: 
         else:
             acc = tl.dot(even, tl.trans(x_even.to(DTYPE)), acc)
             acc = tl.dot(odd, tl.trans(x_odd.to(DTYPE)), acc)
-    else:
-        acc += even.to(tl.float32) * x_even[None, :]  # two statements: two fma, not mul + fma + add
-        acc += odd.to(tl.float32) * x_odd[None, :]
     return acc
 
 
@@ -275,6 +275,8 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
     registers, and the loads in flight are what a bandwidth-bound loop needs.
     """
     HALF: tl.constexpr = BLOCK_K // 2
+    # wide steps (few steps, many loads in flight) sum each step: a [BLOCK_N, HALF] accumulator would not fit
+    STEP_SUM: tl.constexpr = BLOCK_K >= 512
     K = 2 * row_bytes
     table = _nf4_table(code_ptr, LOOKUP)
     if USE_DOT:
@@ -282,7 +284,10 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         x_base = x_ptr + x_rows.to(tl.int64)[:, None] * K  # [BLOCK_M, 1]
     else:
-        acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+        if STEP_SUM:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         x_base = x_ptr + x_rows.to(tl.int64) * K
     acc2 = acc
     packed, absmax = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
@@ -310,13 +315,13 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
             x_even = tl.load(x_base + k_even, mask=k_even < K, other=0.0).to(tl.float32)
             x_odd = tl.load(x_base + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)
         acc = _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, USE_DOT,
-                              DOT_FP32, ALIGNED, LOOKUP)
+                              DOT_FP32, ALIGNED, LOOKUP, STEP_SUM)
         packed, absmax = next_packed, next_absmax
         if TWO:
             acc2 = _nf4_accumulate(acc2, packed2, absmax2, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K,
-                                   USE_DOT, DOT_FP32, ALIGNED, LOOKUP)
+                                   USE_DOT, DOT_FP32, ALIGNED, LOOKUP, STEP_SUM)
             packed2, absmax2 = next_packed2, next_absmax2
-    if not USE_DOT:
+    if not USE_DOT and not STEP_SUM:
         acc = tl.sum(acc, axis=1)
         acc2 = tl.sum(acc2, axis=1)
     return acc, acc2

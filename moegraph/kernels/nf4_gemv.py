@@ -28,9 +28,15 @@ __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "n
            "nf4_linear_group", "nf4_linear_ref"]
 
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, K=2048 -> N=4096:
-BLOCK_N = 16  # rows per program, multiply-add path (M = 1): 9.2 us against 11.2 at 32 rows, 14.9 at 64
 DOT_BLOCK_N = 64  # rows per program, tensor cores: 16 rows a warp; 11.9 us at M = 8 (32 rows: 12.8)
-BLOCK_K = 256  # columns per step: 128 bytes of a row, 16-byte loads, the next step's already in flight
+BLOCK_K = 256  # columns per step, tensor cores: 128 bytes of a row, 16-byte loads, the next step's already in flight
+# Multiply-add path (M = 1): a row's whole K in one or two wide steps (summed per step), so each program has
+# 1-2 KB of a row in flight and no split-K sum launch is needed. H200, bf16, graph replay, split_k 1
+# (benchmarks/results/nf4_kernels_h200_wide_2026-12-03.txt):
+#   2048 -> 4096 (q): 16 rows x 1024 columns 6.26 us (8 x 2048: 7.17; before, 16 x 256 with split-K: 7.92)
+#   4096 -> 2048 (o): 8 x 2048 6.71 us (16 x 1024 split-K: 8.39; 16 x 256 split-K: 9.86)
+#   2048 -> 512 (k, v): 8 x 2048 3.39 us (16 x 256 split-K: 5.22)
+WIDE_ROWS = 4096  # from this many output rows 16 x 1024 tiles, below it 8 x 2048
 DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one row a program) takes 35 us, dot 12
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
@@ -43,10 +49,10 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 class NF4LinearConfig:
     """Tile choices of one call; None fields are derived from the shapes (the benchmark sweeps them)."""
 
-    block_n: Optional[int] = None  # None: BLOCK_N, or DOT_BLOCK_N on the tensor-core path
-    block_k: int = BLOCK_K
+    block_n: Optional[int] = None  # None: DOT_BLOCK_N on the tensor-core path, else from N (_tile)
+    block_k: Optional[int] = None  # None: BLOCK_K on the tensor-core path, else from N (_tile)
     use_dot: Optional[bool] = None  # None: M >= DOT_MIN_M
-    split_k: Optional[int] = None  # None: enough programs for TARGET_PROGRAMS
+    split_k: Optional[int] = None  # None: 1 on the multiply-add path, else enough programs for TARGET_PROGRAMS
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
     lookup: int = LOOKUP
@@ -163,6 +169,19 @@ def _uses_dot(rows_m: int, cfg: NF4LinearConfig) -> bool:
     return cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
 
 
+def _tile(cfg: NF4LinearConfig, use_dot: bool, rows: int, op: str) -> tuple[int, int]:
+    """(block_n, block_k) of a call: the config's, else the measured defaults for `rows` output rows."""
+    if use_dot:
+        block_n, block_k = cfg.block_n or DOT_BLOCK_N, cfg.block_k or BLOCK_K
+    else:
+        wide = (16, 1024) if rows >= WIDE_ROWS else (8, 2048)
+        block_n, block_k = cfg.block_n or wide[0], cfg.block_k or wide[1]
+    if block_k % 64 or block_n < (16 if use_dot else 8):
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (8 without tensor "
+                                   f"cores), got {cfg}")
+    return block_n, block_k
+
+
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, N: int, K: int,
                bias: Optional[torch.Tensor] = None, *, nested_code: Optional[torch.Tensor] = None,
                nested_absmax: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
@@ -178,13 +197,12 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     cfg = config or NF4LinearConfig()
     rows_m = x.shape[0]
     use_dot = _uses_dot(rows_m, cfg)
-    block_n = cfg.block_n or (DOT_BLOCK_N if use_dot else BLOCK_N)
-    if cfg.block_k % 64 or block_n < 16:
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
+    block_n, block_k = _tile(cfg, use_dot, N, op)
     block_m = DOT_BLOCK_M if use_dot else 1
     grid_n, grid_m = triton.cdiv(N, block_n), triton.cdiv(rows_m, block_m)
-    k_steps = triton.cdiv(K, cfg.block_k)
-    steps_per_split = triton.cdiv(k_steps, cfg.split_k or _choose_split_k(grid_n * grid_m, k_steps))
+    k_steps = triton.cdiv(K, block_k)
+    split_k = cfg.split_k or (_choose_split_k(grid_n * grid_m, k_steps) if use_dot else 1)
+    steps_per_split = triton.cdiv(k_steps, split_k)
     split_k = triton.cdiv(k_steps, steps_per_split)  # no empty split
     x = x.contiguous()
     out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
@@ -193,7 +211,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     launch = _launch_options(cfg, use_dot, block_n)
     _nf4_linear_kernel[(grid_n, grid_m, split_k)](
         x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
-        steps_per_split * cfg.block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, LOOKUP=cfg.lookup,
         **launch)
@@ -222,7 +240,7 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     cfg = config or NF4LinearConfig()
     rows_m = x.shape[0]
     use_dot = _uses_dot(rows_m, cfg)
-    block_n = cfg.block_n or (DOT_BLOCK_N if use_dot else BLOCK_N)
+    block_n, block_k = _tile(cfg, use_dot, sum(v.rows for v in views), op)
     block_m = DOT_BLOCK_M if use_dot else 1
     x = x.contiguous()
     outs = [torch.empty(rows_m, v.rows, dtype=x.dtype, device=x.device) for v in views]
@@ -233,7 +251,7 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     launch = _launch_options(cfg, use_dot, block_n)
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=cfg.block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
+        BLOCK_K=block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
         ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, LOOKUP=cfg.lookup, **launch)
     return outs

@@ -16,6 +16,7 @@ Two paths, chosen from T alone (so one per captured graph):
 Capture-safe: grids and buffers sized from T, K, E only, no host sync, no atomics.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +34,9 @@ __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fuse
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, E 128 H 2048 I 768:
 GATE_UP_BLOCK_N = 16  # 768 gate (+768 up) rows in 48 tiles: batch 1 40.6 us against 45.2 at 32 rows
 DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
+# 2 to 15 tokens, multiply-add path: 8 / 16 rows, batch 8 144.7 us against 151.6 at 16 / 32 (batch 1: 28.1 against
+# 25.0; wider steps of 512-2048 columns were slower at both, benchmarks/results/nf4_kernels_h200_wide_2026-12-03.txt)
+FEW_TOKENS_BLOCK_N = (8, 16)
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
@@ -43,8 +47,8 @@ LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x s
 class NF4MoEConfig:
     """Tile choices of one call; use_dot None means T >= DOT_MIN_TOKENS (the benchmark sweeps these)."""
 
-    gate_up_block_n: int = GATE_UP_BLOCK_N
-    down_block_n: int = DOWN_BLOCK_N
+    gate_up_block_n: Optional[int] = None  # None: GATE_UP_BLOCK_N, or FEW_TOKENS_BLOCK_N for 2-15 tokens
+    down_block_n: Optional[int] = None  # None: DOWN_BLOCK_N, or FEW_TOKENS_BLOCK_N
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
@@ -168,10 +172,15 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
         raise InvalidArgumentError(f"{op}: top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                                    f"{tuple(top_k_weights.shape)} must both be [T = {hidden.shape[0]}, top_k]")
     cfg = config or NF4MoEConfig()
-    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < 16:
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16, got {cfg}")
     tokens, top_k = top_k_index.shape
     use_dot = _uses_dot(tokens, cfg)
+    few = not use_dot and tokens > 1
+    cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
+                                                                            else GATE_UP_BLOCK_N),
+                              down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N))
+    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 8):
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (8 without tensor "
+                                   f"cores), got {cfg}")
     experts = top_k_index.reshape(-1).contiguous()
     if use_dot:
         position, slot_token, block_expert = align_blocks(top_k_index, num_experts)

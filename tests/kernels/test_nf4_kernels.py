@@ -227,3 +227,31 @@ def test_wrong_inputs_raise_with_what_was_found():
         nf4_linear(x[:, :64], w.packed, w.absmax, nf4_code(DEVICE), 32, 128)
     with pytest.raises(InvalidArgumentError, match="nested NF4 needs"):
         nf4_linear(x, w.packed, w.absmax.to(torch.uint8), nf4_code(DEVICE), 32, 128, nested_code=torch.zeros(256))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("n, k", [(24, 512), (16, 96)])
+def test_nf4_linear_wide_steps_sum_each_step(nested, n, k):
+    """block_k >= 512 sums each step into a [BLOCK_N] accumulator (the batch-1 tiles); block_n 8 without tensor
+    cores; K = 96 is one masked step, 64-blocks across rows."""
+    w = _random_nf4(None, n, k, nested, seed=n + k)
+    x = torch.randn(1, k, generator=_gen(3)).to(DEVICE, torch.bfloat16)
+    code = nf4_code(DEVICE)
+    config = NF4LinearConfig(use_dot=False, block_n=8, block_k=512, split_k=1)
+    got = nf4_linear(x, w.packed, w.absmax, code, n, k, config=config, **_linear_args(w))
+    want = nf4_linear_ref(x, w.packed, w.absmax, code, n, k, config=config, **_linear_args(w))
+    assert _rel(got, want) < REL_TOL[torch.bfloat16]
+
+
+def test_fused_moe_experts_nf4_wide_steps():
+    experts, hidden, inter, top_k = 4, 64, 32, 2
+    gate_up = _random_nf4(experts, 2 * inter, hidden, False, seed=31)
+    down = _random_nf4(experts, hidden, inter, False, seed=32)
+    x = torch.randn(2, hidden, generator=_gen(4)).to(DEVICE, torch.bfloat16)
+    index = torch.tensor([[0, 2], [1, 2]], device=DEVICE)
+    weights = torch.rand(2, top_k, generator=_gen(5)).to(DEVICE, torch.bfloat16)
+    code = nf4_code(DEVICE)
+    config = NF4MoEConfig(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=512)
+    got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
+    want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)
+    assert _rel(got, want) < REL_TOL[torch.bfloat16]
