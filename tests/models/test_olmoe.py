@@ -29,6 +29,17 @@ def _olmoe(seed=0, **overrides):
     return model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tensors of a few hundred elements: a second intra-op thread only adds synchronisation, which costs seconds
+    on a CPU shared with other work (the file takes ~12 s with one thread, up to ~35 s with two on a loaded
+    2-core machine). Both sides of every comparison run with the same setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return _olmoe()
