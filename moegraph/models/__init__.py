@@ -1,10 +1,11 @@
 """Model families moegraph accelerates, keyed by `config.model_type`; each family owns its model code.
 
-A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`) holding its decode
-step: the whole one-token forward over the static cache that the graph decoder captures (attention variant, norm
-placement, router, experts), built from the shared ops of moegraph.ops, and optionally `check_positions(model,
-positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding window). The graph
-decoder (cuda_graph/) is handed a family's decode step and position check and knows nothing of any model.
+A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`, `olmoe.py`) holding
+its decode step: the whole one-token forward over the static cache that the graph decoder captures (attention
+variant, norm placement, router, experts), built from the shared ops of moegraph.ops, and optionally
+`check_positions(model, positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding
+window). The graph decoder (cuda_graph/) is handed a family's decode step and position check and knows nothing of
+any model.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_class="MixtralPreTrainedModel",
         decode_module="moegraph.models.mixtral",
         models="Mixtral: Mixtral-8x7B, Mixtral-8x22B",
+    ),
+    "olmoe": ModelFamily(
+        model_type="olmoe",
+        modeling_module="transformers.models.olmoe.modeling_olmoe",
+        sparse_block_class="OlmoeSparseMoeBlock",
+        causal_lm_class="OlmoeForCausalLM",
+        pretrained_class="OlmoePreTrainedModel",
+        decode_module="moegraph.models.olmoe",
+        models="OLMoE: OLMoE-1B-7B",
     ),
 }
 

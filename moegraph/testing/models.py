@@ -1,4 +1,4 @@
-"""Random-weight MoE models (Qwen3-MoE, Mixtral) built from named configs, for tests and benchmarks.
+"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE) built from named configs, for tests and benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
@@ -15,9 +15,11 @@ import torch
 from ..errors import InvalidArgumentError
 
 # model_type -> (config class, causal LM class) in transformers
-_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 # preset name -> model_type, where it is not qwen3_moe
-MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral"}
+MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral", "tiny-olmoe": "olmoe",
+                               "olmoe-1b-7b": "olmoe"}
 
 # name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
@@ -102,6 +104,47 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=2,
         pad_token_id=0,
     ),
+    # CPU tests of the OLMoE family: q/k-norm over the whole projections, softmax top-k not renormalised, GQA
+    # (the real model has none; k_norm is then narrower than q_norm), every layer sparse.
+    "tiny-olmoe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,  # per expert
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    # The real OLMoE-1B-7B-0924 shapes (6.9B parameters, 13.8 GB in bf16): transformers' OlmoeConfig defaults
+    # (documented against that checkpoint) except the expert width, 1024 in its config.json.
+    "olmoe-1b-7b": dict(
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=50279,
+        pad_token_id=1,
+    ),
 }
 
 
@@ -118,8 +161,8 @@ def _classes(name: str):
 
 
 def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
-    """The config (Qwen3MoeConfig, MixtralConfig) of a named preset; `num_layers` and any config field can be
-    overridden."""
+    """The config (Qwen3MoeConfig, MixtralConfig, OlmoeConfig) of a named preset; `num_layers` and any config field
+    can be overridden."""
     if name not in CONFIGS:
         raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
     kwargs = dict(CONFIGS[name])
@@ -154,8 +197,8 @@ def build_model(
     double_quant: bool = False,
     **overrides,
 ):
-    """The preset's causal LM (Qwen3MoeForCausalLM, MixtralForCausalLM) with random weights, built on `device` in
-    `dtype`, deterministic by seed.
+    """The preset's causal LM (Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM) with random weights,
+    built on `device` in `dtype`, deterministic by seed.
 
     quant="nf4": the model as `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True))` with moegraph
     loads it (experts in moegraph's NF4, projections as bitsandbytes Linear4bit, lm_head dense), built one

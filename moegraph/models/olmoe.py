@@ -1,0 +1,73 @@
+"""OLMoE (OLMoE-1B-7B): one decode step over the static cache, one new token per row -> logits.
+
+What differs from Qwen3-MoE (models/qwen3_moe.py), per transformers' modeling_olmoe.py:
+- attention: q_norm and k_norm are RMSNorms over the whole q and k projections ([b, Hq*D] and [b, Hkv*D], one
+  variance per row, not per head), applied before the reshape to heads; moegraph's rms_norm op over those rows,
+  then RoPE + cache write through the fused q/k-norm + RoPE op with its norm weights None (as Mixtral);
+- `config.clip_qkv` (when set): q, k (after their norms) and v clamped to [-clip_qkv, clip_qkv] before RoPE, as
+  transformers does (an elementwise clamp in the same dtype: exact);
+- router: OlmoeTopKRouter, softmax in float32 over all experts, top-k (8 of 64), renormalised only with
+  `norm_topk_prob` (False in OLMoE's configs), the weights cast back to the logits' dtype (as Qwen3-MoE);
+- every layer is sparse, no shared experts;
+- a `config.sliding_window` set by hand (no OLMoE config has one; transformers' DynamicCache then keeps only the
+  last sliding_window - 1 positions): the static-cache step attends to every cached position, so a call that could
+  hold more than the window falls back to transformers (`check_positions`), never wrong tokens.
+Same as Qwen3-MoE: pre-norm layers (input_layernorm, post_attention_layernorm), GQA, fused 3D experts dispatched
+through moegraph's experts (the ExpertsInterface implementation the prefill uses too).
+
+Every shape is fixed by the row count and the cache size and nothing syncs with the host: this function is what
+each bucket's graph captures, and also what the eager loop runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ._shared import gqa_attention, prenorm_decode_forward
+
+if TYPE_CHECKING:
+    from ..cuda_graph.static_cache import StaticKVCache
+
+
+def check_positions(model: nn.Module, positions: int) -> str | None:
+    """None when a call holding up to `positions` cache positions (prompt, padding included, + new tokens) decodes
+    exactly here, else why not (below the window, the window changes nothing and the full-attention step is
+    exact)."""
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and positions > window:
+        return (f"sliding_window={window} with a call that could hold {positions} positions (the decode step "
+                "attends to every cached position; calls within the window take the fast path)")
+    return None
+
+
+def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One step for every row (moegraph.models._shared.prenorm_decode_forward): whole-projection q/k-norm
+    attention, MoE blocks."""
+    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe)
+
+
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+               ops) -> torch.Tensor:
+    rows = hidden.shape[0]
+    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    q, k, v = ops.qkv(attn, hidden)  # [b, Hq*D], [b, Hkv*D], [b, Hkv*D]
+    q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)  # over all Hq*D of a row
+    k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)  # over all Hkv*D of a row
+    clip = attn.config.clip_qkv
+    if clip is not None:
+        q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
+    # the norms are done: RoPE only, K/V written at `positions`
+    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
+    return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
+
+
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+    """OlmoeSparseMoeBlock for [b, H] decode rows. No router logits are recorded."""
+    gate = block.gate
+    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
+    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
