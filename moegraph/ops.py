@@ -117,18 +117,20 @@ def _qkv_one_by_one(linear: Callable, attn: nn.Module, x: torch.Tensor):
 
 
 def _nf4_gemv_qkv(attn: nn.Module, x: torch.Tensor):
-    """q, k, v Linear4bit projections in one NF4 GEMV launch where they allow it (NF4, no bias, one compute dtype,
-    all double-quantized or none); otherwise one by one."""
+    """q, k, v Linear4bit projections in one NF4 GEMV launch where they allow it (NF4, all with a bias or none,
+    e.g. Qwen2-MoE's q/k/v biases; one compute dtype; all double-quantized or none); otherwise one by one."""
     modules = (attn.q_proj, attn.k_proj, attn.v_proj)
     states = [_gemv_state(m, x) for m in modules]
     dtypes = {_compute_dtype(m, x) for m in modules}
-    if (any(s is None for s in states) or any(m.bias is not None for m in modules) or len(dtypes) != 1
+    with_bias = {m.bias is not None for m in modules}
+    if (any(s is None for s in states) or len(with_bias) != 1 or len(dtypes) != 1
             or len({s.nested for s in states}) != 1):
         return _qkv_one_by_one(_nf4_gemv_linear, attn, x)
     from .kernels.nf4_gemv import NF4Tensors, nf4_linear_group
 
     weights = [NF4Tensors.from_bnb(m.weight.data, s) for m, s in zip(modules, states)]
-    outs = nf4_linear_group(x.to(dtypes.pop()), weights, states[0].code)
+    biases = [m.bias for m in modules] if with_bias.pop() else None
+    outs = nf4_linear_group(x.to(dtypes.pop()), weights, states[0].code, biases=biases)
     return tuple(out.to(x.dtype) for out in outs)
 
 

@@ -109,21 +109,25 @@ def _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT: tl
 
 
 @triton.jit
-def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, N0, w1, a1, nc1, na1, o1, out1, N1, w2, a2, nc2,
-                             na2, o2, out2, N2, tiles0, tiles01, code_ptr, M, row_bytes, BLOCK_M: tl.constexpr,
+def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, nc1, na1, o1, out1, b1, N1, w2, a2,
+                             nc2, na2, o2, out2, b2, N2, tiles0, tiles01, code_ptr, M, row_bytes, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                              DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
-                             EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+                             EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
-    [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums."""
+    [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
+    HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it."""
     tile = tl.program_id(0)
     if tile < tiles0:
-        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w0, a0, nc0, na0, o0, out0, N0
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, bias_ptr, N = (
+            w0, a0, nc0, na0, o0, out0, b0, N0)
     elif tile < tiles01:
-        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w1, a1, nc1, na1, o1, out1, N1
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, bias_ptr, N = (
+            w1, a1, nc1, na1, o1, out1, b1, N1)
         tile -= tiles0
     else:
-        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, N = w2, a2, nc2, na2, o2, out2, N2
+        w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, bias_ptr, N = (
+            w2, a2, nc2, na2, o2, out2, b2, N2)
         tile -= tiles01
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -135,7 +139,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, N0, w1, a1, nc1,
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False)
-    _store_out(out_ptr, acc, out_ptr, m, m_mask, rows, row_mask, N, USE_DOT, False)
+    _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 
 @triton.jit
@@ -182,6 +186,12 @@ def _tile(cfg: NF4LinearConfig, use_dot: bool, rows: int, op: str) -> tuple[int,
     return block_n, block_k
 
 
+def _check_bias(op: str, bias: Optional[torch.Tensor], N: int, device: torch.device) -> None:
+    if bias is not None and (bias.numel() != N or bias.device != device or not bias.is_floating_point()):
+        raise InvalidArgumentError(f"{op}: bias must be a float tensor of {N} elements on {device}, got "
+                                   f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+
+
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, N: int, K: int,
                bias: Optional[torch.Tensor] = None, *, nested_code: Optional[torch.Tensor] = None,
                nested_absmax: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
@@ -191,9 +201,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     if x.dim() != 2 or x.shape[1] != K:
         raise InvalidArgumentError(f"{op}: x must be [M, K = {K}], got {tuple(x.shape)}")
     w = check_nf4(op, NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code, x.device)
-    if bias is not None and (bias.numel() != N or bias.device != x.device or not bias.is_floating_point()):
-        raise InvalidArgumentError(f"{op}: bias must be a float tensor of {N} elements on {x.device}, got "
-                                   f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
+    _check_bias(op, bias, N, x.device)
     cfg = config or NF4LinearConfig()
     rows_m = x.shape[0]
     use_dot = _uses_dot(rows_m, cfg)
@@ -225,9 +233,11 @@ MAX_GROUP = 3  # weights per grouped launch (q, k, v)
 
 
 def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch.Tensor,
-                     config: Optional[NF4LinearConfig] = None) -> list[torch.Tensor]:
-    """[x @ W_i^T for each W_i] in one launch, for up to MAX_GROUP NF4 weights (N_i, K) of one K, all plain or
-    all nested (no bias). Each equals nf4_linear(x, W_i) computed without a split of K."""
+                     config: Optional[NF4LinearConfig] = None,
+                     biases: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+    """[x @ W_i^T (+ b_i) for each W_i] in one launch, for up to MAX_GROUP NF4 weights (N_i, K) of one K, all
+    plain or all nested; biases: one [N_i] per weight (q/k/v biases, e.g. Qwen2-MoE), or None. Each equals
+    nf4_linear(x, W_i, b_i) computed without a split of K."""
     op = "nf4_linear_group"
     check_compute_dtype(op, x)
     if not 1 <= len(weights) <= MAX_GROUP:
@@ -237,6 +247,11 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     if x.dim() != 2 or any(v.experts != 1 or v.cols != K for v in views) or len({v.nested for v in views}) != 1:
         raise InvalidArgumentError(f"{op}: x [M, K] and weights (N_i, K) of one K, all nested or none; got x "
                                    f"{tuple(x.shape)}, weights {[tuple(w.shape) for w in weights]}")
+    if biases is not None:
+        if len(biases) != len(views) or any(b is None for b in biases):
+            raise InvalidArgumentError(f"{op}: biases must give one tensor per weight ({len(views)}), or be None")
+        for v, b in zip(views, biases):
+            _check_bias(op, b, v.rows, x.device)
     cfg = config or NF4LinearConfig()
     rows_m = x.shape[0]
     use_dot = _uses_dot(rows_m, cfg)
@@ -245,15 +260,17 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     x = x.contiguous()
     outs = [torch.empty(rows_m, v.rows, dtype=x.dtype, device=x.device) for v in views]
     tiles = [triton.cdiv(v.rows, block_n) for v in views]
-    padded = list(zip(views, outs)) + [(views[0], outs[0])] * (MAX_GROUP - len(views))  # never reached: no tiles
-    args = [a for v, out in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out,
-                                              v.rows)]
+    bias_args = [b.contiguous() for b in biases] if biases is not None else outs  # never read without HAS_BIAS
+    padded = list(zip(views, outs, bias_args))
+    padded += [padded[0]] * (MAX_GROUP - len(views))  # never reached: no tiles
+    args = [a for v, out, b in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out, b,
+                                                 v.rows)]
     launch = _launch_options(cfg, use_dot, block_n)
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
         ALIGNED=views[0].aligned, NESTED=views[0].nested,
-        EXACT_MUL=x.is_cuda and views[0].nested, LOOKUP=cfg.lookup, **launch)
+        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup, **launch)
     return outs
 
 

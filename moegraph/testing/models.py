@@ -1,9 +1,12 @@
-"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE) built from named configs, for tests and benchmarks.
+"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) built from named configs, for tests and
+benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
 The router weights are random too: zero router weights would send every token to the same
-experts and make a benchmark read far fewer expert bytes than a real model does.
+experts and make a benchmark read far fewer expert bytes than a real model does. So are the
+projection biases (Qwen2-MoE's q/k/v), which transformers initializes to zero: a decode step that
+dropped them would otherwise give the same tokens.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from ..errors import InvalidArgumentError
 
 # model_type -> (config class, causal LM class) in transformers
 _CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
 # preset name -> model_type, where it is not qwen3_moe
 MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral", "tiny-olmoe": "olmoe",
-                               "olmoe-1b-7b": "olmoe"}
+                               "olmoe-1b-7b": "olmoe", "tiny-qwen2-moe": "qwen2_moe",
+                               "qwen1.5-moe-a2.7b": "qwen2_moe", "qwen2-57b-a14b": "qwen2_moe"}
 
 # name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
@@ -124,6 +128,30 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=2,
         pad_token_id=0,
     ),
+    # CPU tests of the Qwen2-MoE family: q/k/v biases, no q/k-norm, softmax top-4 not renormalised, a gated shared
+    # expert in every sparse block, layer 1 dense (mlp_only_layers).
+    "tiny-qwen2-moe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,  # the dense layer
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        qkv_bias=True,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
     # The real OLMoE-1B-7B-0924 shapes (6.9B parameters, 13.8 GB in bf16): transformers' OlmoeConfig defaults
     # (documented against that checkpoint) except the expert width, 1024 in its config.json.
     "olmoe-1b-7b": dict(
@@ -145,6 +173,62 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=50279,
         pad_token_id=1,
     ),
+    # The real Qwen1.5-MoE-A2.7B shapes (config.json of the Hub checkpoint: 14.3B parameters, 28.6 GB in bf16; 60
+    # routed experts, top-4, and a shared expert of 4 x 1408); pad_token_id is its tokenizer's (<|endoftext|>).
+    "qwen1.5-moe-a2.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=True,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=21,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    ),
+    # The real Qwen2-57B-A14B shapes (config.json of the Hub checkpoint: 57.4B parameters, 115 GB in bf16; 64 routed
+    # experts, top-8, a shared expert of 20480, GQA 28 / 4 heads).
+    "qwen2-57b-a14b": dict(
+        vocab_size=151936,
+        hidden_size=3584,
+        intermediate_size=18944,
+        moe_intermediate_size=2560,
+        shared_expert_intermediate_size=20480,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        sliding_window=131072,
+        max_window_layers=28,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    ),
 }
 
 
@@ -161,8 +245,8 @@ def _classes(name: str):
 
 
 def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
-    """The config (Qwen3MoeConfig, MixtralConfig, OlmoeConfig) of a named preset; `num_layers` and any config field
-    can be overridden."""
+    """The config (Qwen3MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig) of a named preset; `num_layers` and
+    any config field can be overridden."""
     if name not in CONFIGS:
         raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
     kwargs = dict(CONFIGS[name])
@@ -197,7 +281,7 @@ def build_model(
     double_quant: bool = False,
     **overrides,
 ):
-    """The preset's causal LM (Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM) with random weights,
+    """The preset's causal LM (Qwen3MoeForCausalLM, MixtralForCausalLM, ...) with random weights,
     built on `device` in `dtype`, deterministic by seed.
 
     quant="nf4": the model as `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True))` with moegraph
@@ -217,7 +301,16 @@ def build_model(
         return _build_nf4(model_class, config, device, dtype, double_quant).eval()
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)
+    _randomize_biases(model, config.initializer_range)
     return model.eval()
+
+
+@torch.no_grad()
+def _randomize_biases(module: torch.nn.Module, std: float) -> None:
+    """Every nn.Linear bias drawn like the weights (transformers' _init_weights zeroes them)."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
+            sub.bias.normal_(0.0, std)
 
 
 def _build_nf4(model_class, config, device, dtype, double_quant: bool):
@@ -234,6 +327,7 @@ def _build_nf4(model_class, config, device, dtype, double_quant: bool):
         module.to_empty(device=device, recurse=True)
         for sub in module.modules():
             model._init_weights(sub)
+        _randomize_biases(module, config.initializer_range)
         if any(module is layer for layer in layers):
             quantize_experts(module, double_quant=double_quant)
             quantize_projections(module, double_quant=double_quant, skip=())

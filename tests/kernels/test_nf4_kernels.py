@@ -110,20 +110,29 @@ def test_nf4_linear_split_k_is_deterministic():
 
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("nested", [False, True])
-def test_nf4_linear_group_equals_one_launch_per_weight(use_dot, nested):
-    """q, k, v in one launch: each output equal, bit for bit, to nf4_linear of that weight without a K split."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_nf4_linear_group_equals_one_launch_per_weight(use_dot, nested, bias):
+    """q, k, v in one launch: each output equal, bit for bit, to nf4_linear of that weight (and its bias, as
+    Qwen2-MoE's q/k/v have) without a K split."""
     k = 128
     weights = [_random_nf4(None, n, k, nested, seed=50 + n) for n in (32, 16, 48)]
     x = torch.randn(3 if use_dot else 1, k, generator=_gen(51)).to(DEVICE, torch.float16)
+    biases = [torch.randn(w.shape[0], generator=_gen(53 + i)).to(DEVICE, torch.float16)
+              for i, w in enumerate(weights)] if bias else None
     code = nf4_code(DEVICE)
     config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64)
-    got = nf4_linear_group(x, weights, code, config)
-    for g, w in zip(got, weights):
-        want = nf4_linear(x, w.packed, w.absmax, code, w.shape[0], k, config=replace(config, split_k=1),
-                          **_linear_args(w))
+    got = nf4_linear_group(x, weights, code, config, biases=biases)
+    for i, (g, w) in enumerate(zip(got, weights)):
+        want = nf4_linear(x, w.packed, w.absmax, code, w.shape[0], k, biases[i] if bias else None,
+                          config=replace(config, split_k=1), **_linear_args(w))
         assert torch.equal(g, want)
     with pytest.raises(InvalidArgumentError, match="one K"):
         nf4_linear_group(x, [weights[0], _random_nf4(None, 16, 64, nested, seed=52)], code)
+    if bias:
+        with pytest.raises(InvalidArgumentError, match="one tensor per weight"):
+            nf4_linear_group(x, weights, code, config, biases=biases[:2])
+        with pytest.raises(InvalidArgumentError, match="bias must be"):
+            nf4_linear_group(x, weights, code, config, biases=[biases[1], biases[1], biases[2]])
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
