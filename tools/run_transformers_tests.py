@@ -21,8 +21,9 @@ The test sources must match the installed transformers. They come from two place
 - the files the sdist lacks (`tests/models/qwen3_moe/`, `tests/generation/`, `tests/causal_lm_tester.py`,
   ...) from a transformers git repository given with `--transformers-git` (a checkout or a bare clone),
   at `--ref` (default `v<installed version>`; if that ref is missing, HEAD, and the report says so).
-If the files taken from git expect a newer or older transformers, `--shim` lists the compatibility
-shims applied (one today: `_TEXT_MODEL_TESTER_DEFAULTS`, which some testers import from
+If the files taken from git expect a newer or older transformers, the report lists the compatibility
+shims applied (two today: `PreTrainedModel._is_stateful`, which the generation tests read and 5.25 removed,
+and `_TEXT_MODEL_TESTER_DEFAULTS`, which some testers import from
 `transformers.testing_utils`), and `tests/distributed_testing_utils.py` is stubbed when neither source
 has it (the distributed mixins need several processes and skip on one CPU anyway).
 
@@ -160,6 +161,12 @@ def _install_shims() -> None:
     if not hasattr(testing_utils, "_TEXT_MODEL_TESTER_DEFAULTS"):
         testing_utils._TEXT_MODEL_TESTER_DEFAULTS = dict(_TEXT_MODEL_TESTER_DEFAULTS)
         _shims.append("transformers.testing_utils._TEXT_MODEL_TESTER_DEFAULTS")
+    from transformers import PreTrainedModel
+
+    # generation tests before 5.25 skip stateful models through this class attribute, which 5.25 removed
+    if not hasattr(PreTrainedModel, "_is_stateful"):
+        PreTrainedModel._is_stateful = False
+        _shims.append("transformers.PreTrainedModel._is_stateful = False")
 
 
 def _install_counting() -> None:
