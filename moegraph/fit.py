@@ -1,7 +1,7 @@
 """Will it fit? Weight sizes, static KV cache and the backend moegraph would choose, from a config alone.
 
-`fit_report(model_or_config, batch_size=1, seq_len=4096, device=None)` reads a Qwen3-MoE config (a preset of
-moegraph.testing, a local config.json or folder, a Hub name through transformers' AutoConfig, a config object or a
+`fit_report(model_or_config, batch_size=1, seq_len=4096, device=None)` reads the config of a supported family (a
+preset of moegraph.testing, a local config.json or folder, a Hub name through transformers' AutoConfig, a config object or a
 model), never its weights, and answers for a device:
 - the weights in bf16 / fp16 and in NF4 as moegraph and bitsandbytes quantize them (experts and every nn.Linear but
   the lm_head in 4-bit; embeddings, lm_head, routers and norms stay in the compute dtype), with fp32 absmax per 64
@@ -115,35 +115,55 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _is_sparse_layer(config, layer: int) -> bool:
-    # Qwen3MoeDecoderLayer's own rule: a dense MLP on mlp_only_layers and off the decoder_sparse_step
-    return (layer not in config.mlp_only_layers and config.num_experts > 0
-            and (layer + 1) % config.decoder_sparse_step == 0)
+def _meta_model(config):
+    """The family's causal LM built on the meta device: every parameter's shape, no memory."""
+    from .models import FAMILIES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(f"fit_report counts the families moegraph supports ({sorted(FAMILIES)}), got "
+                                    f"model_type={model_type!r}")
+    with torch.device("meta"):
+        return FAMILIES[model_type].causal_lm()(config)
+
+
+def _group_of(name: str, param: torch.Tensor, linear: bool) -> str:
+    """How moegraph (and bitsandbytes' load_in_4bit) stores a parameter, from where it sits in the model."""
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".self_attn." in name:
+        return "attention bias" if name.endswith(".bias") else ("attention" if linear else "norms")
+    if ".experts." in name and param.dim() == 3:
+        return "experts"
+    if linear:
+        return "dense mlp bias" if name.endswith(".bias") else "dense mlp"  # dense layers, shared experts
+    if ".mlp." in name and name.endswith(".weight") and param.dim() == 2:
+        return "routers"
+    return "norms"
 
 
 def weight_groups(config) -> list[WeightGroup]:
-    """Every parameter of Qwen3MoeForCausalLM(config), grouped by how moegraph stores it."""
-    if getattr(config, "model_type", None) != "qwen3_moe":
-        raise UnsupportedModelError(f"fit_report counts Qwen3-MoE configs (model_type 'qwen3_moe'), got "
-                                    f"model_type={getattr(config, 'model_type', None)!r}")
-    h, layers, d = config.hidden_size, config.num_hidden_layers, _head_dim(config)
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    bias = (q + 2 * kv + h) if config.attention_bias else 0
-    sparse = sum(_is_sparse_layer(config, i) for i in range(layers))
-    dense = layers - sparse
-    e, i_moe, i_dense = config.num_experts, config.moe_intermediate_size, config.intermediate_size
-    groups = [
-        WeightGroup("embeddings", ((config.vocab_size * h, 1),)),
-        WeightGroup("attention", ((h * q, 2 * layers), (h * kv, 2 * layers)), True, 4 * layers),  # q, o; k, v
-        WeightGroup("attention bias", ((bias, layers),)),
-        WeightGroup("experts", ((2 * i_moe * h, sparse * e), (h * i_moe, sparse * e)), True, 2 * sparse),
-        WeightGroup("dense mlp", ((h * i_dense, 3 * dense),), True, 3 * dense),
-        WeightGroup("routers", ((e * h, sparse),)),
-        WeightGroup("norms", ((2 * h + 2 * d, layers), (h, 1))),  # per layer: 2 RMSNorms, q_norm, k_norm; final
-    ]
-    if not config.tie_word_embeddings:
-        groups.append(WeightGroup("lm_head", ((config.vocab_size * h, 1),)))
-    return [g for g in groups if g.params]
+    """Every parameter of the family's causal LM for `config` (built on the meta device), grouped by how moegraph
+    stores it: nn.Linear weights (attention, dense MLPs, shared experts) and the fused experts quantize under NF4;
+    embeddings, lm_head, routers, norms and biases stay in the compute dtype."""
+    model = _meta_model(config)
+    linear_params = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    linear_params |= {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None}
+    shapes: dict[str, dict[int, int]] = {}
+    tables: dict[str, int] = {}
+    for name, param in model.named_parameters():  # a tied lm_head appears once
+        group = _group_of(name, param, id(param) in linear_params)
+        matrices, numel = (param.shape[0], param[0].numel()) if group == "experts" else (1, param.numel())
+        shapes.setdefault(group, {})
+        shapes[group][numel] = shapes[group].get(numel, 0) + matrices
+        if group in ("attention", "dense mlp", "experts"):
+            tables[group] = tables.get(group, 0) + 1  # a double-quant code table per quantized weight (stack)
+    order = ("embeddings", "attention", "attention bias", "experts", "dense mlp", "dense mlp bias", "routers",
+             "norms", "lm_head")
+    return [WeightGroup(g, tuple(sorted(shapes[g].items())), g in tables, tables.get(g, 0))
+            for g in order if g in shapes]
 
 
 def count_parameters(config) -> int:

@@ -133,3 +133,16 @@ def test_cli_info_model(capsys):
     out = capsys.readouterr().out
     assert "A100-80GB (sm_80)" in out and "batch 2 x 1000 tokens" in out and "predicted, not probed" in out
     assert main(["info", "--model", "tiny", "--device", "K80"]) == 2
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_size_of_every_family_equals_the_built_model(name, double_quant):
+    """fit's count from the config against the tensors (and bitsandbytes quant states) of the model built in NF4;
+    they differ by bitsandbytes' 64-byte code table per Linear4bit, which fit leaves out."""
+    from moegraph.bench import _tensor_bytes
+
+    model = build_model(name, dtype=torch.bfloat16, quant="nf4", double_quant=double_quant)
+    want = weight_bytes(model.config, "nf4-dq" if double_quant else "nf4")
+    assert _tensor_bytes(model) == pytest.approx(want, rel=0.01)
+    assert weight_bytes(model.config, "bf16") == 2 * sum(p.numel() for p in build_model(name).parameters())
