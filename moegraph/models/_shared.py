@@ -65,3 +65,16 @@ def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, val
     out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
                                                      scale=attn.scaling)
     return ops.linear(attn.o_proj, out.reshape(rows, -1))
+
+
+def sliding_window_check(model: nn.Module, positions: int) -> str | None:
+    """A family's `check_positions` for a `config.sliding_window` that applies to every layer: None when a call
+    holding up to `positions` cache positions (prompt, padding included, + new tokens) decodes exactly, else why not.
+
+    transformers' sliding layers keep the last sliding_window - 1 positions and let each query see sliding_window
+    keys; below that bound the window changes nothing and the static cache's full-attention step is exact."""
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and positions > window:
+        return (f"sliding_window={window} with a call that could hold {positions} positions (the decode step "
+                "attends to every cached position; calls within the window take the fast path)")
+    return None

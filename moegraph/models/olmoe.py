@@ -26,21 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward
+from ._shared import gqa_attention, prenorm_decode_forward, sliding_window_check
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
 
-def check_positions(model: nn.Module, positions: int) -> str | None:
-    """None when a call holding up to `positions` cache positions (prompt, padding included, + new tokens) decodes
-    exactly here, else why not (below the window, the window changes nothing and the full-attention step is
-    exact)."""
-    window = getattr(model.config, "sliding_window", None)
-    if window is not None and positions > window:
-        return (f"sliding_window={window} with a call that could hold {positions} positions (the decode step "
-                "attends to every cached position; calls within the window take the fast path)")
-    return None
+check_positions = sliding_window_check
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
