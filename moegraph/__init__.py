@@ -1,4 +1,5 @@
-"""moegraph: one line, `moegraph.patch(model)`, makes Qwen3-MoE `generate()` decode through CUDA graphs."""
+"""moegraph: one line, `moegraph.patch(model)`, makes `generate()` of transformers' MoE models (Qwen3-MoE, Mixtral,
+OLMoE, Qwen2-MoE: `moegraph.models.FAMILIES`) decode through CUDA graphs."""
 
 import logging
 

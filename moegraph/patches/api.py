@@ -180,7 +180,7 @@ def _patch_model(model: nn.Module, options: PatchOptions) -> nn.Module:
 
 
 def patch(model: nn.Module | None = None, **options) -> nn.Module | None:
-    """Make Qwen3-MoE decoding capture-safe and graph-replayed.
+    """Make MoE decoding capture-safe and graph-replayed (the families of moegraph.models.FAMILIES).
 
     patch(model, ...) patches that model (and returns it): its experts implementation becomes moegraph's
     ("moegraph", or "moegraph_<backend>" with moe_backend=) and its generate() decodes through graphs.
