@@ -371,14 +371,15 @@ def build_model(
 
 @torch.no_grad()
 def _randomize_biases(module: torch.nn.Module, std: float) -> None:
-    """Every nn.Linear bias, and every router correction bias (GLM-4-MoE's `e_score_correction_bias`), drawn like
-    the weights (transformers' _init_weights zeroes them)."""
+    """Every nn.Linear bias drawn like the weights, and every router correction bias (GLM-4-MoE's
+    `e_score_correction_bias`) 5x wider, as wide as the spread of the sigmoid scores of random router weights, so
+    that it changes which experts are picked and the tokens (transformers' _init_weights zeroes them all)."""
     for sub in module.modules():
         if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
             sub.bias.normal_(0.0, std)
         correction = getattr(sub, "e_score_correction_bias", None)
         if isinstance(correction, torch.Tensor):
-            correction.normal_(0.0, std)
+            correction.normal_(0.0, 5 * std)
 
 
 def _build_nf4(model_class, config, device, dtype, double_quant: bool):
