@@ -1,12 +1,13 @@
-"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) built from named configs, for tests and
+"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GLM-4-MoE) built from named configs, for tests and
 benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
 The router weights are random too: zero router weights would send every token to the same
 experts and make a benchmark read far fewer expert bytes than a real model does. So are the
-projection biases (Qwen2-MoE's q/k/v), which transformers initializes to zero: a decode step that
-dropped them would otherwise give the same tokens.
+projection biases (Qwen2-MoE's and GLM-4-MoE's q/k/v) and GLM-4-MoE's router correction bias
+(`e_score_correction_bias`), which transformers initializes to zero: a decode step that dropped them would
+otherwise give the same tokens.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from ..errors import InvalidArgumentError
 
 # model_type -> (config class, causal LM class) in transformers
 _CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+            "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")}
 # preset name -> model_type, where it is not qwen3_moe
 MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral", "tiny-olmoe": "olmoe",
                                "olmoe-1b-7b": "olmoe", "tiny-qwen2-moe": "qwen2_moe",
-                               "qwen1.5-moe-a2.7b": "qwen2_moe", "qwen2-57b-a14b": "qwen2_moe"}
+                               "qwen1.5-moe-a2.7b": "qwen2_moe", "qwen2-57b-a14b": "qwen2_moe",
+                               "tiny-glm4-moe": "glm4_moe", "glm4.5-air": "glm4_moe"}
 
 # name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
@@ -229,6 +232,67 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=151643,
         pad_token_id=151643,
     ),
+    # CPU tests of the GLM-4-MoE family: sigmoid routing over 2 groups of 4 experts with topk_group 1 (both picks
+    # from the best group), a random correction bias (build_model), routed_scaling_factor 2.5, renormalised; a
+    # shared expert; layer 0 dense (first_k_dense_replace); partial RoPE (half of each head rotates); per-head
+    # q/k-norm; q/k/v biases.
+    "tiny-glm4-moe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,  # the dense layer
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        attention_bias=True,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    # The real GLM-4.5-Air shapes (106B parameters, 12B active): 46 layers, the first dense (10944), 128 routed
+    # experts of 1408, top-8, one shared expert, sigmoid routing in one group, routed_scaling_factor 1.0, GQA 96 / 8
+    # heads of 128, q/k/v biases, no q/k-norm, half of each head rotated (NVIDIA Megatron-Bridge's GLM 4.5 page and
+    # the checkpoint's config.json as transformers prints it); pad_token_id is its config's.
+    "glm4.5-air": dict(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+        use_qk_norm=False,
+        attention_bias=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=[151329, 151336, 151338],
+        pad_token_id=151329,
+    ),
 }
 
 
@@ -245,7 +309,7 @@ def _classes(name: str):
 
 
 def make_config(name: str = "tiny", *, num_layers: int | None = None, **overrides):
-    """The config (Qwen3MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig) of a named preset; `num_layers` and
+    """The config (Qwen3MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Glm4MoeConfig) of a named preset; `num_layers` and
     any config field can be overridden."""
     if name not in CONFIGS:
         raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
@@ -307,10 +371,15 @@ def build_model(
 
 @torch.no_grad()
 def _randomize_biases(module: torch.nn.Module, std: float) -> None:
-    """Every nn.Linear bias drawn like the weights (transformers' _init_weights zeroes them)."""
+    """Every nn.Linear bias drawn like the weights, and every router correction bias (GLM-4-MoE's
+    `e_score_correction_bias`) 5x wider, as wide as the spread of the sigmoid scores of random router weights, so
+    that it changes which experts are picked and the tokens (transformers' _init_weights zeroes them all)."""
     for sub in module.modules():
         if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
             sub.bias.normal_(0.0, std)
+        correction = getattr(sub, "e_score_correction_bias", None)
+        if isinstance(correction, torch.Tensor):
+            correction.normal_(0.0, 5 * std)
 
 
 def _build_nf4(model_class, config, device, dtype, double_quant: bool):
