@@ -225,7 +225,7 @@ def _first_experts(model: nn.Module) -> nn.Module | None:
 
 def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto") -> OpTable:
     """The table for a model's decode step, from its device, expert dtype and weight formats."""
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model's decoder config is nested
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     experts = _first_experts(model)
     if experts is None:

@@ -77,9 +77,12 @@ class _Prompt:
     def rows_kwargs(self, rows: slice, batch: int) -> dict:
         """model_kwargs for rows `rows` of a batch of `batch` rows (the batch-shaped tensors sliced)."""
         kwargs = dict(self.model_kwargs)
-        for name in ("attention_mask", "position_ids", "inputs_embeds"):
+        for name in ("attention_mask", "position_ids", "inputs_embeds", "mm_token_type_ids"):
             value = kwargs.get(name)
-            if isinstance(value, torch.Tensor) and value.shape[0] == batch:
+            if name == "position_ids" and isinstance(value, torch.Tensor) and value.dim() == 3:
+                if value.shape[1] == batch:  # multimodal RoPE's [components, rows, length]
+                    kwargs[name] = value[:, rows]
+            elif isinstance(value, torch.Tensor) and value.shape[0] == batch:
                 kwargs[name] = value[rows]
         return kwargs
 
@@ -347,6 +350,10 @@ class GraphDecoder:
         if room is not None and kv_width + max_new - 1 > room:
             return f"a static cache of {room} positions for {kv_width + max_new - 1}"
         position_ids = model_kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # multimodal RoPE (Qwen3-VL-MoE)
+            position_ids = support.text_position_ids(position_ids)
+            if isinstance(position_ids, str):
+                return position_ids
         reason = support.check_prompt(mask, position_ids, rows, kv_width)
         if reason is not None:
             return reason
@@ -604,11 +611,11 @@ class GraphDecoder:
                     self.cache.nbytes() / 1e9)
 
     def _cache_layout(self, rows: int, positions: int) -> dict:
-        config = self.model.config
+        config = self.model.config.get_text_config()  # a vision-language model's decoder config is nested
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return dict(num_layers=config.num_hidden_layers, rows=rows, positions=positions,
                     kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                    dtype=self.model.model.embed_tokens.weight.dtype, device=self.model.device)
+                    dtype=self.model.get_input_embeddings().weight.dtype, device=self.model.device)
 
     def _capture_graphs(self) -> None:
         self.inputs.clear()

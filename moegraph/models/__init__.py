@@ -1,8 +1,8 @@
 """Model families moegraph accelerates, keyed by `config.model_type`; each family owns its model code.
 
 A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`, `olmoe.py`,
-`qwen2_moe.py`, `glm4_moe.py`) holding its decode step: the whole one-token forward over the static cache that the graph decoder captures (attention
-variant, norm placement, router, experts), built from the shared ops of moegraph.ops, and optionally
+`qwen2_moe.py`, `glm4_moe.py`, `qwen3_vl_moe.py`) holding its decode step: the whole one-token forward over the
+static cache that the graph decoder captures (attention variant, norm placement, router, experts), built from the shared ops of moegraph.ops, and optionally
 `check_positions(model, positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding
 window). The graph decoder (cuda_graph/) is handed a family's decode step and position check and knows nothing of
 any model.
@@ -92,6 +92,15 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_class="Glm4MoePreTrainedModel",
         decode_module="moegraph.models.glm4_moe",
         models="GLM-4-MoE: GLM-4.5-Air, GLM-4.5, GLM-4.6",
+    ),
+    "qwen3_vl_moe": ModelFamily(
+        model_type="qwen3_vl_moe",
+        modeling_module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+        sparse_block_class="Qwen3VLMoeTextSparseMoeBlock",
+        causal_lm_class="Qwen3VLMoeForConditionalGeneration",
+        pretrained_class="Qwen3VLMoePreTrainedModel",
+        decode_module="moegraph.models.qwen3_vl_moe",
+        models="Qwen3-VL-MoE: Qwen3-VL-30B-A3B (text-only calls; images and videos go to transformers)",
     ),
 }
 

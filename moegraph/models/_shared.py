@@ -21,13 +21,17 @@ Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
 
 
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                           ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp) -> torch.Tensor:
+                           ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp,
+                           text_model: nn.Module | None = None) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
+
+    text_model: the decoder stack (layers, embed_tokens, norm, rotary_emb), where it is not `model.model` (e.g.
+    Qwen3-VL-MoE's `model.model.language_model`); `model.lm_head` gives the logits either way.
 
     rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers counts a
     right-padded or custom-positioned row differently from its compact index); None: the same.
     Per layer: add+RMSNorm, attention, add+RMSNorm, MLP; the residual adds are fused into the next norm."""
-    inner = model.model
+    inner = model.model if text_model is None else text_model
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
     rope_positions = positions if rope_positions is None else rope_positions

@@ -1,5 +1,5 @@
-"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GLM-4-MoE) built from named configs, for tests and
-benchmarks.
+"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GLM-4-MoE, Qwen3-VL-MoE) built from named
+configs, for tests and benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
@@ -21,12 +21,14 @@ from ..errors import InvalidArgumentError
 # model_type -> (config class, causal LM class) in transformers
 _CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
             "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-            "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")}
+            "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
 # preset name -> model_type, where it is not qwen3_moe
 MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral", "tiny-olmoe": "olmoe",
                                "olmoe-1b-7b": "olmoe", "tiny-qwen2-moe": "qwen2_moe",
                                "qwen1.5-moe-a2.7b": "qwen2_moe", "qwen2-57b-a14b": "qwen2_moe",
-                               "tiny-glm4-moe": "glm4_moe", "glm4.5-air": "glm4_moe"}
+                               "tiny-glm4-moe": "glm4_moe", "glm4.5-air": "glm4_moe",
+                               "tiny-qwen3-vl-moe": "qwen3_vl_moe", "qwen3-vl-30b-a3b": "qwen3_vl_moe"}
 
 # name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
@@ -293,6 +295,77 @@ CONFIGS: dict[str, dict] = {
         eos_token_id=[151329, 151336, 151338],
         pad_token_id=151329,
     ),
+    # CPU tests of the Qwen3-VL-MoE family (a vision-language model: the config nests text_config and vision_config,
+    # and make_config's num_layers and field overrides go to text_config): Qwen3-MoE's text decoder with an
+    # always-renormalised router, interleaved mrope (sections summing to head_dim / 2), layer 1 dense
+    # (mlp_only_layers); a 2-block vision tower with one DeepStack layer, small enough for an 8x8-patch image.
+    "tiny-qwen3-vl-moe": dict(
+        text_config=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,  # the dense layer
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=500,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+        tie_word_embeddings=False,
+    ),
+    # The Qwen3-VL-30B-A3B(-Instruct) text decoder: Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 128 experts
+    # top-8 of width 768, GQA 32 / 4 heads of 128, untied lm_head, vocab 151936, as the checkpoint's Megatron
+    # conversion arguments list them) with its 262144-token context and rope_theta 5e6; mrope_section [24, 20, 20]
+    # interleaved (transformers' Qwen3VLMoe default). The vision tower is transformers' Qwen3VLMoeVisionConfig
+    # default (documented against this checkpoint; not checked against its config.json) projecting to 2048.
+    "qwen3-vl-30b-a3b": dict(
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=262144,
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                             "mrope_interleaved": True},
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            pad_token_id=151643,
+        ),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -314,11 +387,15 @@ def make_config(name: str = "tiny", *, num_layers: int | None = None, **override
     if name not in CONFIGS:
         raise InvalidArgumentError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}")
     kwargs = dict(CONFIGS[name])
+    text = kwargs  # where the decoder's fields go: a vision-language preset nests them in text_config
+    if "text_config" in kwargs:
+        text = kwargs["text_config"] = dict(kwargs["text_config"])
     if num_layers is not None:
         if num_layers < 1:
             raise InvalidArgumentError(f"num_layers must be >= 1, got {num_layers}")
-        kwargs["num_hidden_layers"] = num_layers
-    kwargs.update(overrides)
+        text["num_hidden_layers"] = num_layers
+    for key, value in overrides.items():
+        (kwargs if key in kwargs else text)[key] = value
     return _classes(name)[0](**kwargs)
 
 
@@ -365,7 +442,7 @@ def build_model(
         return _build_nf4(model_class, config, device, dtype, double_quant).eval()
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)
-    _randomize_biases(model, config.initializer_range)
+    _randomize_biases(model, config.get_text_config().initializer_range)
     return model.eval()
 
 
@@ -386,6 +463,9 @@ def _build_nf4(model_class, config, device, dtype, double_quant: bool):
     """Build on the meta device, then materialize, initialize and quantize one piece at a time."""
     from ..quant.experts import quantize_experts
     from ..quant.projections import quantize_projections
+
+    if config.get_text_config() is not config:
+        raise InvalidArgumentError(f"quant='nf4' builds text-only models; {model_class.__name__} is not one")
 
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(config)

@@ -41,8 +41,9 @@ def _generate(model, inputs, **options):
 
 def test_graph_replay_equals_eager_and_follows_transformers(model):
     for batch_size in (1, 5, 8):
-        inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=64,
-                                seed=batch_size, device="cuda")
+        vocab_size = model.config.get_text_config().vocab_size  # Qwen3-VL-MoE nests it in text_config
+        inputs = random_prompts(batch_size, vocab_size=vocab_size, min_len=16, max_len=64, seed=batch_size,
+                                device="cuda")
         graph_out, graph_stats = _generate(model, inputs)
         eager_out, eager_stats = _generate(model, inputs, cuda_graphs=False)
         assert graph_stats.fallback_reason is None and graph_stats.graphs and not eager_stats.graphs
