@@ -1,5 +1,5 @@
 """moegraph: one line, `moegraph.patch(model)`, makes `generate()` of transformers' MoE models (Qwen3-MoE, Mixtral,
-OLMoE, Qwen2-MoE: `moegraph.models.FAMILIES`) decode through CUDA graphs."""
+OLMoE, Qwen2-MoE, GLM-4-MoE, Qwen3-VL-MoE text: `moegraph.models.FAMILIES`) decode through CUDA graphs."""
 
 import logging
 
