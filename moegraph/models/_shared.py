@@ -22,11 +22,13 @@ Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
 
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                            ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp,
-                           text_model: nn.Module | None = None) -> torch.Tensor:
+                           text_model: nn.Module | None = None, rope_components: int = 1) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
 
     text_model: the decoder stack (layers, embed_tokens, norm, rotary_emb), where it is not `model.model` (e.g.
     Qwen3-VL-MoE's `model.model.language_model`); `model.lm_head` gives the logits either way.
+    rope_components: position ids per token that its rotary embedding takes (3 for multimodal RoPE, given equal
+    here: text-only rows; transformers before 5.25 takes only the [3, b, 1] form).
 
     rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers counts a
     right-padded or custom-positioned row differently from its compact index); None: the same.
@@ -35,7 +37,9 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
     rope_positions = positions if rope_positions is None else rope_positions
-    cos, sin = inner.rotary_emb(residual[:, None], rope_positions[:, None])  # [b, 1, D]
+    position_ids = rope_positions[:, None] if rope_components == 1 else rope_positions[None, :, None].expand(
+        rope_components, -1, -1)
+    cos, sin = inner.rotary_emb(residual[:, None], position_ids)  # [b, 1, D]
     visible = causal_mask(cache.positions, positions, residual.dtype)
     first_norm = layers[0].input_layernorm
     hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)

@@ -8,8 +8,8 @@ What differs from Qwen3-MoE (models/qwen3_moe.py), per transformers' modeling_qw
 - RoPE is multimodal (mrope: three position components T/H/W, interleaved `mrope_section`): generate() gives a
   text-only prompt position ids [4, b, s] whose components all equal the text position (`rope_deltas` zero), and
   with equal components the interleaving picks every frequency from the same position, so the rotation is plain
-  RoPE of that position. The step computes cos/sin through the model's own rotary_emb with [b, 1] positions,
-  which it broadcasts to three equal components; the decoder takes the rope start from the first component
+  RoPE of that position. The step computes cos/sin through the model's own rotary_emb with [3, b, 1] positions
+  (three equal components); the decoder takes the rope start from the first component
   after checking all components agree (else the call falls back);
 - router: Qwen3VLMoeTextTopKRouter, softmax in float32, top-k, always renormalised (no `norm_topk_prob`), the
   weights cast back to the logits' dtype;
@@ -43,7 +43,7 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     Qwen3-MoE's q/k-norm attention, MoE blocks with an always-renormalised router (dense MLP layers through their
     own module)."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
-                                  text_model=model.model.language_model)
+                                  text_model=model.model.language_model, rope_components=3)
 
 
 def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
