@@ -15,6 +15,8 @@ from moegraph.models import qwen2_moe
 from moegraph.ops import ops_for_model
 from moegraph.testing import build_model, make_config, random_prompts
 
+from _cases import eos_mid_batch_case, patched_generate
+
 TRITON = triton_available(torch.empty(0))
 
 
@@ -25,14 +27,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def case(model):
-    """Unequal left-padded prompts, an EOS id that row 0 emits mid-way (rows stop at different steps), and
-    unpatched transformers' tokens for them."""
-    inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=3, max_len=11, seed=3)
-    free = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, inputs["input_ids"].shape[1] + 3]),
-                  pad_token_id=0)
-    want = model.generate(**inputs, **kwargs)
-    assert (want[0, inputs["input_ids"].shape[1] + 4:] == 0).all()  # row 0 finished mid-batch
+    """Rows that stop at different steps and unpatched transformers' tokens (_cases.eos_mid_batch_case)."""
+    inputs, kwargs, want = eos_mid_batch_case(model)
     assert (want[1:, -1] != 0).all()  # the others ran to the end
     return inputs, kwargs, want
 
@@ -47,12 +43,7 @@ def test_preset_has_what_the_family_adds(model):
 
 def test_patch_model_greedy_equals_transformers(model, case):
     inputs, kwargs, want = case
-    moegraph.patch(model, max_batch_size=4)
-    try:
-        got = model.generate(**inputs, **kwargs)
-        stats = moegraph.decode_stats(model)
-    finally:
-        moegraph.unpatch(model)
+    got, stats = patched_generate(model, inputs, kwargs)
     assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
     assert torch.equal(got, want)
 
