@@ -4,7 +4,7 @@ Every op that the graph decoder's step and moegraph's experts functions (registe
 ExpertsInterface, moe/interface.py) run comes from an `OpTable`.
 `resolve_ops()` builds it once per key, from the backend probes (moe/select.py) and the formats
 of the weights, and records why each op was chosen (`python -m moegraph info` prints it):
-- norms, q/k-norm + RoPE + cache write, router top-k, expert grouping: moegraph's Triton kernels
+- norms, q/k-norm + RoPE + cache write, decode attention, router top-k, expert grouping: moegraph's Triton kernels
   on CUDA, their plain-torch references elsewhere (the kernel tests run the kernels on the CPU
   through Triton's interpreter; `kernels="triton"` forces them for such a test);
 - experts: the MoE backend the probe accepted for the experts' weight format (under torch.compile: the
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .errors import InvalidArgumentError
-from .kernels import moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
+from .kernels import decode_attention, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
 from .moe.select import COMPILED_REASON, expert_function, describe_moe_backend, normalize_device
 
 DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
@@ -49,6 +49,7 @@ class OpTable:
     rms_norm: Callable
     add_rms_norm: Callable
     qk_norm_rope: Callable
+    decode_attention: Callable  # (q [b, Hq, D], key/value cache, positions [b], scale, window, sinks) -> [b, Hq, D]
     router_topk: Callable
     moe_align: Callable
     silu_mul: Callable
@@ -65,10 +66,12 @@ class OpTable:
 
 
 _FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm, qk_norm_rope=qk_norm_rope.qk_norm_rope,
+              decode_attention=decode_attention.decode_attention,
               router_topk=router_topk.router_topk, moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
               moe_combine=moe_combine.moe_combine)
 _REFERENCE = dict(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
-                  qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, router_topk=router_topk.router_topk_ref,
+                  qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, decode_attention=decode_attention.decode_attention_ref,
+                  router_topk=router_topk.router_topk_ref,
                   moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
                   moe_combine=moe_combine.moe_combine_ref)
 
@@ -174,6 +177,8 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     reasons = (
         ("norms", kernel_name, kernel_why),
         ("qk_norm_rope", kernel_name, kernel_why),
+        ("attention", kernel_name, "split-KV decode attention over live positions" if kernel_name == "triton"
+         else "torch SDPA over the whole cache, masked"),
         ("router", kernel_name, kernel_why),
         ("experts", backend.name, backend.reason),
         ("compiled", "grouped_mm", COMPILED_REASON),

@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
-# (attention module, hidden [b, H], cos, sin, positions, visible, key_cache, value_cache, ops) -> [b, H]
+# (attention module, hidden [b, H], cos, sin, positions, key_cache, value_cache, ops) -> [b, H]
 Attention = Callable[..., torch.Tensor]
 # (MLP module, hidden [b, H], ops) -> [b, H]
 Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
@@ -40,11 +40,10 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     position_ids = rope_positions[:, None] if rope_components == 1 else rope_positions[None, :, None].expand(
         rope_components, -1, -1)
     cos, sin = inner.rotary_emb(residual[:, None], position_ids)  # [b, 1, D]
-    visible = causal_mask(cache.positions, positions, residual.dtype)
     first_norm = layers[0].input_layernorm
     hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
     for layer_idx, layer in enumerate(layers):
-        attn_out = attention(layer.self_attn, hidden, cos, sin, positions, visible, cache.keys[layer_idx],
+        attn_out = attention(layer.self_attn, hidden, cos, sin, positions, cache.keys[layer_idx],
                              cache.values[layer_idx], ops)
         post = layer.post_attention_layernorm
         residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
@@ -54,24 +53,14 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     return ops.linear(model.lm_head, hidden).float()
 
 
-def causal_mask(cache_positions: int, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[b, 1, 1, S] additive mask, built once per step (a boolean mask would be converted in every layer):
-    position p is visible to a row once p <= the row's current position."""
-    visible = torch.arange(cache_positions, device=positions.device)[None, :] <= positions[:, None]
-    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
-        ~visible, float("-inf"))[:, None, None, :]
-
-
 def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  visible: torch.Tensor, ops) -> torch.Tensor:
-    """Attention of one query token per row over the cached positions, then o_proj: [b, Hq, D] -> [b, H].
-
-    The query heads of each KV group fold into the query-length axis, so attention reads each cached K/V once
-    instead of expanding it per query head."""
+                  positions: torch.Tensor, ops, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per row over its cached positions 0..positions[row], then o_proj:
+    [b, Hq, D] -> [b, H]. ops.decode_attention reads each KV head once for its GQA group of query heads (and on
+    CUDA only the row's live positions, however large the cache)."""
     rows = q.shape[0]
-    q = q.reshape(rows, key_cache.shape[1], -1, attn.head_dim)  # [b, Hkv, G, D]
-    out = nn.functional.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=visible,
-                                                     scale=attn.scaling)
+    out = ops.decode_attention(q, key_cache[:rows], value_cache[:rows], positions, attn.scaling, window, sinks)
     return ops.linear(attn.o_proj, out.reshape(rows, -1))
 
 

@@ -65,7 +65,7 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
                ops) -> torch.Tensor:
     rows, head_dim = hidden.shape[0], attn.head_dim
     key_cache, value_cache = key_cache[:rows], value_cache[:rows]
@@ -74,7 +74,7 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     if cos.shape[-1] == head_dim:  # whole-head RoPE: the fused op norms, rotates and writes K/V
         q_w, k_w, eps = (norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else (None, None, None)
         q = ops.qk_norm_rope(q, k, v, q_w, k_w, cos, sin, positions, key_cache, value_cache, eps)
-        return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
+        return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
     q, k = q.reshape(rows, -1, head_dim), k.reshape(rows, -1, head_dim)  # [b, Hq, D], [b, Hkv, D]
     if norms:
         q = ops.rms_norm(q, norms[0].weight, norms[0].variance_epsilon).reshape(rows, -1, head_dim)  # per head
@@ -85,7 +85,7 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
     # rotation done: x * 1 + rotate_half(x) * 0 == x exactly; the op writes K/V at `positions` and returns q
     q = ops.qk_norm_rope(q.reshape(rows, -1), k.reshape(rows, -1), v, None, None, identity_cos, identity_sin,
                          positions, key_cache, value_cache, None)  # [b, Hq, D]
-    return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

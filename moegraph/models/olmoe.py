@@ -42,7 +42,7 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
                ops) -> torch.Tensor:
     rows = hidden.shape[0]
     key_cache, value_cache = key_cache[:rows], value_cache[:rows]
@@ -54,7 +54,7 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visib
         q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
     # the norms are done: RoPE only, K/V written at `positions`
     q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
-    return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
 
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:

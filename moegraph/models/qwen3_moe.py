@@ -30,14 +30,14 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, visible, key_cache, value_cache,
+def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
                ops) -> torch.Tensor:
     rows = hidden.shape[0]
     key_cache, value_cache = key_cache[:rows], value_cache[:rows]
     q, k, v = ops.qkv(attn, hidden)
     q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
                          value_cache, attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
-    return gqa_attention(attn, q, key_cache, value_cache, visible, ops)
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
 
 
 def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
