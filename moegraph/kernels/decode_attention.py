@@ -37,7 +37,7 @@ WAVES = 4  # programs to aim for per SM when choosing max_splits
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_stride, k_head_stride,
                   scale_log2, window, max_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,7 +70,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_
             k = tl.load(k_ptr + offsets, mask=live_keys[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK], log2 units
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK], log2 units
             scores = tl.where(live_keys[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp2(m - m_new)
@@ -81,7 +81,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_
             if UPCAST:
                 p = p.to(tl.float32)
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m = m_new
         part = (row * q_heads + heads) * max_splits + split  # [GROUP_PAD] partial index
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=in_group[:, None])
@@ -152,7 +152,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         q, key_cache, value_cache, positions, partial_acc, partial_ml, q_heads, key_cache.stride(0),
         key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK,
-        WINDOWED=windowed, UPCAST=_INTERPRET, num_warps=4, num_stages=2)
+        WINDOWED=windowed, UPCAST=_INTERPRET,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     _combine_kernel[(rows, q_heads)](
         partial_acc, partial_ml, positions, sinks if sinks is not None else partial_ml, out, q_heads, window,
         max_splits, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(max_splits), BLOCK=BLOCK_N,
