@@ -9,7 +9,8 @@ of the weights, and records why each op was chosen (`python -m moegraph info` pr
   through Triton's interpreter; `kernels="triton"` forces them for such a test);
 - experts: the MoE backend the probe accepted for the experts' weight format (under torch.compile: the
   traceable grouped_mm path of that format, moe/select.py's COMPILED_EXPERT_FUNCTIONS);
-- projections: a plain linear for dense weights, bitsandbytes' own forward for `Linear4bit`.
+- projections: moegraph's GEMV for dense weights at decode batch sizes (a plain linear above them or without
+  Triton), moegraph's NF4 GEMV or bitsandbytes' own forward for `Linear4bit`.
 Nothing re-decides per layer or per call: callers hold the table, or look it up by its key.
 """
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from .errors import InvalidArgumentError
-from .kernels import decode_attention, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
+from .kernels import decode_attention, gemv, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
 from .moe.select import COMPILED_REASON, expert_function, describe_moe_backend, normalize_device
 
 DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
@@ -50,6 +51,7 @@ class OpTable:
     add_rms_norm: Callable
     qk_norm_rope: Callable
     decode_attention: Callable  # (q [b, Hq, D], key/value cache, positions [b], scale, window, sinks) -> [b, Hq, D]
+    router_logits: Callable  # (hidden [b, H], weight [E, H]) -> [b, E]: hidden @ weight.T in hidden's dtype
     router_topk: Callable
     moe_align: Callable
     silu_mul: Callable
@@ -80,6 +82,43 @@ def _dense_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is not nn.Linear:  # e.g. bitsandbytes' 8-bit or a user's wrapper: its own forward knows
         return module(x)
     return nn.functional.linear(x, module.weight, module.bias)
+
+
+def _gemv_takes(weight: torch.Tensor, x: torch.Tensor, max_rows: int) -> bool:
+    """Whether moegraph's GEMV runs x @ weight.T: few rows (where it beats cuBLAS: kernels/gemv.py), not too wide."""
+    return (x.dim() == 2 and x.shape[0] <= max_rows and weight.shape[0] < gemv.WIDE_N and weight.dtype == x.dtype
+            and weight.is_contiguous())
+
+
+def _takes_gemv(module: nn.Module, x: torch.Tensor, max_rows: int) -> bool:
+    return type(module) is nn.Linear and _gemv_takes(module.weight, x, max_rows)
+
+
+def _router_logits_gemv(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if _gemv_takes(weight, hidden, gemv.ROUTER_MAX_ROWS):
+        return gemv.linear_gemv(hidden, weight)
+    return nn.functional.linear(hidden, weight)
+
+
+def _router_logits_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(hidden, weight)
+
+
+def _dense_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A plain nn.Linear at decode batch sizes through moegraph's GEMV; anything else as _dense_linear does."""
+    if _takes_gemv(module, x, gemv.LINEAR_MAX_ROWS):
+        return gemv.linear_gemv(x, module.weight, module.bias)
+    return _dense_linear(module, x)
+
+
+def _dense_gemv_qkv(attn: nn.Module, x: torch.Tensor):
+    """q, k and v in one GEMV launch over the modules' own weights (all biased or none), else one by one."""
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    with_bias = {m.bias is not None for m in modules}
+    if not all(_takes_gemv(m, x, gemv.QKV_MAX_ROWS) for m in modules) or len(with_bias) != 1:
+        return _qkv_one_by_one(_dense_gemv_linear, attn, x)
+    biases = [m.bias for m in modules] if with_bias.pop() else None
+    return gemv.linear_gemv_group(x, [m.weight for m in modules], biases)
 
 
 def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +210,11 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     elif formats.projections == LINEAR4BIT:
         linear, linear_name, linear_why = _module_linear, "bnb", "bitsandbytes Linear4bit forward"
         qkv = functools.partial(_qkv_one_by_one, linear)
+    elif kernel_name == "triton":
+        linear, linear_name, linear_why = (_dense_gemv_linear, "triton", "moegraph's GEMV where it beats cuBLAS "
+                                           f"(q, k and v in one launch up to {gemv.QKV_MAX_ROWS} rows, others up to "
+                                           f"{gemv.LINEAR_MAX_ROWS}), torch.nn.functional.linear otherwise")
+        qkv = _dense_gemv_qkv
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
         qkv = functools.partial(_qkv_one_by_one, linear)
@@ -179,7 +223,8 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         ("qk_norm_rope", kernel_name, kernel_why),
         ("attention", kernel_name, "split-KV decode attention over live positions" if kernel_name == "triton"
          else "torch SDPA over the whole cache, masked"),
-        ("router", kernel_name, kernel_why),
+        ("router", kernel_name, kernel_why + (f"; logits by moegraph's GEMV up to {gemv.ROUTER_MAX_ROWS} rows"
+                                              if kernel_name == "triton" else "")),
         ("experts", backend.name, backend.reason),
         ("compiled", "grouped_mm", COMPILED_REASON),
         ("projections", linear_name, linear_why),
@@ -187,6 +232,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
                    capture_safe=backend.capture_safe and device.type == "cuda",
                    experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv, reasons=reasons,
+                   router_logits=_router_logits_gemv if kernel_name == "triton" else _router_logits_linear,
                    **small_ops)
 
 

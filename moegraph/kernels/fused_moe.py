@@ -1,5 +1,6 @@
 """Decode-time MoE experts in three launches: group pairs into expert blocks, [gate_up GEMM + SwiGLU],
-[down GEMM]; the weighted combine is moe_combine.
+[down GEMM]; the weighted combine is moe_combine. Up to PAIR_GEMV_MAX_TOKENS tokens, two launches and
+no grouping: one GEMV per (token, expert) pair.
 
 fused_moe_experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H],
 down_proj [E, H, I]) -> [T, H].
@@ -11,6 +12,13 @@ products; Triton's CPU interpreter also mishandles bf16 dots); accumulation is f
 outputs round where the eager path rounds (projection, silu, product).
 Capture-safe: grids sized for the worst case (every expert with a partial block), programs of
 idle blocks exit at once, no host sync. For T*K above MAX_PAIRS callers use grouped_mm.
+
+The pair GEMVs: at one token the blocks hold one pair each, so 15 of a block's 16 tl.dot rows are padding
+and a grid of (129 blocks x columns) mostly exits; the align pass moves no weight at all. A pair program
+instead reads its expert id straight from top_k_index and multiplies a thin weight tile (PAIR_BLOCK_N
+rows) with its token in registers, so many more programs stream the routed experts' weights. Two pairs of
+one expert read its weights twice (mostly from L2), which is why the path stops at a few tokens. Same
+roundings as the block kernels (gate and up, silu, product); the combine reads the outputs in pair order.
 """
 
 import torch
@@ -22,6 +30,13 @@ BLOCK_M = 16  # slots per block: the smallest tl.dot M; decode blocks rarely hol
 GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) columns in 24 programs per block: 192 programs at batch 1
 DOWN_BLOCK_N = 64  # 2048 output columns in 32 programs per block
 BLOCK_K = 128
+PAIR_GEMV_MAX_TOKENS = 4  # a decode bucket size (1, 2, 4, ...): eager and replayed calls take the same path
+# Pair GEMV tunables, H200, Qwen3-30B-A3B experts in bf16 (benchmarks/gemv_decode.py, 2026-12-04): 2 x 2048 with
+# 2 warps was the fastest of 18 tiles x warps: 21.6 us at 1 token (block kernels: 42.1), 37.5 at 2 (51.9);
+# 4 tokens 77.0 against 91.6 (4 x 1024); 8 tokens 142.0 against 121.5, so the blocks take over above 4.
+PAIR_BLOCK_N = 2
+PAIR_BLOCK_K = 2048
+PAIR_NUM_WARPS = 2
 ALIGN_BLOCK_I = 32  # pairs ranked per grouping program (fewer for fewer pairs)
 
 
@@ -115,6 +130,71 @@ def _down_kernel(act_ptr, w_ptr, slot_token_ptr, block_expert_ptr, out_ptr, hidd
              mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _pair_gate_up_silu_kernel(x_ptr, w_ptr, index_ptr, act_ptr, hidden, inter, stride_we, TOP_K: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(1)
+    expert = tl.load(index_ptr + pair).to(tl.int64)
+    token = pair // TOP_K
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < inter
+    gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * hidden
+    up_rows = gate_rows + inter * hidden
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < hidden
+        x = tl.load(x_ptr + token * hidden + k, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w_gate = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+        acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
+        acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    out_dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(out_dtype).to(tl.float32)
+    up = acc_up.to(out_dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair * inter + n, act.to(out_dtype), mask=n_mask)
+
+
+@triton.jit
+def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_we, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    pair = tl.program_id(1)
+    expert = tl.load(index_ptr + pair).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * inter
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < inter
+        a = tl.load(act_ptr + pair * inter + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    tl.store(out_ptr + pair * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int = PAIR_NUM_WARPS):
+    """Per-pair expert outputs [T*K, H] in pair order (row t*K + k: token t through its k-th expert)."""
+    num_experts, two_inter, hidden_dim = gate_up_proj.shape
+    inter = two_inter // 2
+    block_n, block_k = block_n or PAIR_BLOCK_N, block_k or PAIR_BLOCK_K
+    index = top_k_index.reshape(-1).contiguous()
+    pairs = index.numel()
+    act = torch.empty(pairs, inter, dtype=gate_up_proj.dtype, device=x.device)
+    _pair_gate_up_silu_kernel[(triton.cdiv(inter, block_n), pairs)](
+        x, gate_up_proj, index, act, hidden_dim, inter, gate_up_proj.stride(0), TOP_K=top_k_index.shape[-1],
+        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden_dim)), num_warps=num_warps)
+    down = torch.empty(pairs, hidden_dim, dtype=gate_up_proj.dtype, device=x.device)
+    _pair_down_kernel[(triton.cdiv(hidden_dim, block_n), pairs)](
+        act, down_proj, index, down, hidden_dim, inter, down_proj.stride(0), BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=num_warps)
+    return down
+
+
 def align_blocks(top_k_index: torch.Tensor, num_experts: int):
     """(position [T*K], slot_token [slots] with -1 padding, block_expert [blocks] with -1 idle)."""
     num_pairs = top_k_index.numel()
@@ -138,9 +218,12 @@ def fused_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
                          f"{tuple(gate_up_proj.shape)} / down_proj {tuple(down_proj.shape)}")
     if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         raise ValueError("fused_moe_experts: expert weights must be contiguous [E, 2I, H] and [E, H, I]")
+    x = hidden.to(gate_up_proj.dtype).contiguous()
+    if hidden.shape[0] <= PAIR_GEMV_MAX_TOKENS:
+        return combine(pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj), None, top_k_weights,
+                       hidden.dtype)
     position, slot_token, block_expert = align_blocks(top_k_index, num_experts)
     num_blocks = block_expert.numel()
-    x = hidden.to(gate_up_proj.dtype).contiguous()
     act = torch.empty(slot_token.numel(), inter, dtype=gate_up_proj.dtype, device=hidden.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up_proj, slot_token, block_expert, act, hidden_dim, inter, gate_up_proj.stride(0),

@@ -49,6 +49,6 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_c
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
     """MixtralSparseMoeBlock for [b, H] decode rows (eval: no jitter noise). No router logits are recorded."""
     gate = block.gate
-    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, True, weights_dtype=torch.float32)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

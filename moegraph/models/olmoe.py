@@ -60,6 +60,6 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_c
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
     """OlmoeSparseMoeBlock for [b, H] decode rows. No router logits are recorded."""
     gate = block.gate
-    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

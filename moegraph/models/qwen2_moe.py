@@ -84,7 +84,7 @@ def dense_mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
     """Qwen2MoeSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
     gate = block.gate
-    router_logits = nn.functional.linear(hidden, gate.weight)  # [b, E]
+    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)  # logits' dtype
     routed = ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
     shared = dense_mlp(block.shared_expert, hidden, ops)

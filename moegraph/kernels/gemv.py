@@ -1,0 +1,119 @@
+"""Dense decode GEMV: y = x @ W^T (+ bias) for a few rows, with bf16 / fp16 / fp32 weights W [N, K].
+
+linear_gemv(x [M, K], weight [N, K], bias [N] or None) -> [M, N] in x.dtype;
+linear_gemv_group(x, weights, biases) -> one output per weight: up to three weights of the same K (q, k and v)
+in one launch, read from the module's own parameters (no concatenated copy to keep in step with them).
+cuBLAS runs a handful of rows as a GEMM with a tile far taller than the rows; here each program owns BLOCK_N
+output columns for all M rows (M <= MAX_ROWS): it reads its weight tile once, in wide BLOCK_K steps, and
+multiplies it with every row in registers (float32 products, one sum per step), so the weights stream at
+close to copy bandwidth whatever M is. Rounded once to x's dtype.
+Capture-safe: grid fixed by the shapes, no host sync, no atomics (a replay is bit-identical to the eager
+call). The summation order depends on BLOCK_K only, so a weight gives the same bits alone or in a group.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._triton import tl, triton
+
+# Where the GEMV beats cuBLAS, measured on the H200 at Qwen3-30B-A3B's shapes in bf16 (CUDA-graph replay,
+# benchmarks/gemv_decode.py, 2026-12-04; us GEMV / cuBLAS):
+#   q+k+v [5120 x 2048] in one launch: 5.9 / 15.0 at 1 row, 7.7 / 15.2 at 2, 12.4 / 15.2 at 4, 20.7 / 15.3 at 8
+#   o_proj [2048 x 4096]:              5.3 / 7.5 at 1 row,  6.9 / 7.4 at 2,  10.7 / 7.1 at 4
+#   router [128 x 2048]:               2.2 / 4.8 at 1 row,  3.5 / 5.0 at 8
+#   lm_head [151936 x 2048]:           147.5 / 143.6 at 1 row (cuBLAS already streams it at 4.2 TB/s)
+MAX_ROWS = 8  # the kernel's limit (the [rows, BLOCK_N, BLOCK_K] products live in registers)
+QKV_MAX_ROWS = 4
+LINEAR_MAX_ROWS = 2
+ROUTER_MAX_ROWS = 8
+WIDE_N = 32768  # outputs from which cuBLAS is as fast at any row count (the lm_head)
+NUM_WARPS = 4
+
+
+def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for `rows` rows of N outputs and K inputs (H200, the same measurements: 4 x 2048 was
+    the fastest of 18 tiles x warps at 1-2 rows; from 4 rows the products need a narrower BLOCK_K)."""
+    if n <= 256:
+        return (2, 1024)
+    return (4, 2048) if rows <= 2 else (4, 1024)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+    col_mask = cols < N
+    rows = tl.arange(0, ROWS)
+    row_mask = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, N2, tiles0, tiles01, M, K,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's."""
+    tile = tl.program_id(0)
+    if tile < tiles0:
+        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+    elif tile < tiles01:
+        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+    else:
+        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+
+
+def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                      biases: Sequence[torch.Tensor] | None = None,
+                      tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
+    """x [M, K] times each weight [N_i, K] (+ bias_i): one launch. tile, num_warps: overrides (benchmarks)."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"linear_gemv_group: 1 to 3 weights, got {len(weights)}")
+    rows, k = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"linear_gemv_group: at most {MAX_ROWS} rows, got {rows} (use torch.nn.functional.linear)")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() or w.dtype != x.dtype:
+            raise ValueError(f"linear_gemv_group: weight {tuple(w.shape)} {w.dtype} does not take x "
+                             f"{tuple(x.shape)} {x.dtype} (contiguous [N, K] of x's dtype)")
+    block_n, block_k = tile or tile_for(rows, max(w.shape[0] for w in weights), k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    x = x.contiguous()
+    outs = [torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
+    tiles = [triton.cdiv(w.shape[0], block_n) for w in weights]
+    padded = list(zip(weights, biases if biases is not None else [None] * len(weights), outs))
+    while len(padded) < 3:  # unused slots: never reached (their tile ranges are empty)
+        padded.append(padded[0])
+        tiles.append(0)
+    args = []
+    for w, b, out in padded:
+        args += [w, b if b is not None else w, out, w.shape[0]]
+    _gemv_group_kernel[(sum(tiles),)](x, *args, tiles[0], tiles[0] + tiles[1], rows, k,
+                                      ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                                      HAS_BIAS=biases is not None, num_warps=num_warps)
+    return tuple(outs)
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tile: tuple[int, int] | None = None) -> torch.Tensor:
+    return linear_gemv_group(x, [weight], None if bias is None else [bias], tile)[0]
+
+
+def linear_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 product, rounded once: what the kernel computes up to summation order."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
