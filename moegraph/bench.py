@@ -11,7 +11,7 @@ read; `step_bytes`) over the device copy bandwidth measured in the same run. A c
 budget is reported as such, or run with fewer new tokens (said in its notes) when that fits.
 
 Sections beyond that table (`--prompt-len`, `--long`, `--ttft`, `--profile`): moegraph/bench_modes.py; `--sample`
-samples (SAMPLING) instead of decoding greedily. Every run writes one JSON (GPU, versions, date, command, the rows of
+adds sampled rows (SAMPLING) beside the greedy ones of the decode table. Every run writes one JSON (GPU, versions, date, command, the rows of
 each section) and prints each section as a markdown table.
 """
 
@@ -535,7 +535,8 @@ def _decode_mode(session: Session) -> str:
     # the most telling comparisons first, so that a tight budget trims the others
     for backend in session.backends(",".join(BACKENDS)):
         for batch_size in batch_sizes:
-            cases.append(_run_case(session.runner, backend, batch_size, prompts, results, args.sample))
+            for sample in (False, True) if args.sample else (False,):  # --sample: sampled beside greedy
+                cases.append(_run_case(session.runner, backend, batch_size, prompts, results, sample))
     if args.quant == "nf4":
         cases += _run_nf4_cases(session.runner, model, batch_sizes, prompts, results, args, session.bandwidth)
         del model
@@ -543,7 +544,7 @@ def _decode_mode(session: Session) -> str:
         results["loading"] = measure_nf4_loading(args.model, results["num_layers"], getattr(torch, args.dtype),
                                                  args.double_quant)
         print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
-    cases.sort(key=lambda c: (c.batch_size, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
+    cases.sort(key=lambda c: (c.batch_size, c.sample, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
     results["cases"] = [asdict(c) for c in cases]
     return decode_table(cases, prompt=False, host=args.sample)
 
@@ -648,10 +649,11 @@ def status(row) -> str:
 def decode_table(cases, *, prompt: bool, host: bool) -> str:
     """One row per decode case; "vs hf" and "roofline" compare decode tok/s (the roofline is that of a decode step,
     the KV cache of its context included); `prompt`: the prompt and new-token columns, `host`: moegraph's host ms."""
-    hf = {(c.batch_size, c.prompt_len): c.decode_tok_s for c in cases if c.backend == "hf" and c.status == "ok"}
+    hf = {(c.batch_size, c.prompt_len, c.sample): c.decode_tok_s
+          for c in cases if c.backend == "hf" and c.status == "ok"}
 
-    def vs_hf(c):
-        base = hf.get((c.batch_size, c.prompt_len))
+    def vs_hf(c):  # against transformers decoding the same way (greedy or sampled)
+        base = hf.get((c.batch_size, c.prompt_len, c.sample))
         return "-" if base is None or math.isnan(c.decode_tok_s) else f"{c.decode_tok_s / base:.2f}"
 
     columns = [("backend", lambda c: c.backend), ("bs", num("batch_size", "d"))]
@@ -665,7 +667,8 @@ def decode_table(cases, *, prompt: bool, host: bool) -> str:
                 ("roofline", of_roofline),
                 ("roofline tok/s", num("roofline_tok_s", ".0f")), ("KV GB/step", num("kv_cache_gb", ".3g"))]
     if host:
-        columns.append(("host ms/step", num("host_ms_per_step", ".3f")))
+        columns += [("sampled", lambda c: "yes" if c.sample else "no"),
+                    ("host ms/step", num("host_ms_per_step", ".3f"))]
     columns += [("peak GB", num("peak_gb")), ("capture s", num("capture_s", ".2f")),
                 ("1st call s", num("first_call_s")), ("status", status)]
     return markdown(columns, cases)

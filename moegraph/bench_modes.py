@@ -35,16 +35,15 @@ def prompt_len_mode(session: Session) -> str:
                 cases.append(case)
     cases.sort(key=lambda c: (c.prompt_len, c.batch_size, c.backend))
     session.results["prompt_len_cases"] = [asdict(c) for c in cases]
-    return "decode by prompt length\n\n" + decode_table(cases, prompt=True, host=args.sample)
+    return "decode by prompt length (greedy)\n\n" + decode_table(cases, prompt=True, host=False)
 
 
 def _context_case(session: Session, backend: str, batch_size: int, prompt_len: int, over_at: int | None):
     if over_at is not None:  # longer contexts only take longer
-        case = Case(backend, batch_size, prompt_len, session.args.new_tokens, session.args.sample)
+        case = Case(backend, batch_size, prompt_len, session.args.new_tokens)
         case.status = f"over budget: skipped (over budget at {over_at}-token prompts)"
     else:
-        case = session.runner.run(backend, batch_size, session.prompts(batch_size, prompt_len),
-                                  sample=session.args.sample, prompt_len=prompt_len)
+        case = session.runner.run(backend, batch_size, session.prompts(batch_size, prompt_len), prompt_len=prompt_len)
     session.add_roofline(case, prompt_len + case.new_tokens / 2)
     print_progress(case)
     return case

@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--double-quant", action="store_true",
                        help="with --quant nf4: double-quantized absmax (bnb_4bit_use_double_quant)")
     bench.add_argument("--sample", action="store_true",
-                       help="sampled decoding (do_sample, temperature 0.7, top_p 0.9, top_k 50) instead of greedy, "
-                            "with moegraph's host ms/step (decode table and --prompt-len)")
+                       help="decode table: each case also sampled (do_sample, temperature 0.7, top_p 0.9, top_k 50) "
+                            "beside greedy, with moegraph's host ms/step")
     bench.add_argument("--prompt-len", default=None, metavar="LENS",
                        help="instead of the decode table: decode ms/step and tok/s at prompts of exactly these "
                             "lengths, e.g. 512,4096,16384,32768")

@@ -67,16 +67,16 @@ def _assert_measured(row, new_tokens):
     assert row["kv_cache_gb"] > 0
 
 
-def test_bench_sampled_decode_table_reports_host_time(tmp_path, capsys):
+def test_bench_sample_puts_sampled_rows_beside_greedy_ones_with_host_time(tmp_path, capsys):
     results = _bench(tmp_path, "--backends", "hf,moegraph", "--batch-sizes", "1", "--sample")
     assert results["modes"] == ["decode"] and results["sample"]["top_k"] == 50
-    rows = {c["backend"]: c for c in results["cases"]}
-    assert set(rows) == {"hf", "moegraph"}
+    rows = {(c["backend"], c["sample"]): c for c in results["cases"]}
+    assert set(rows) == {(b, s) for b in ("hf", "moegraph") for s in (False, True)}
     for row in rows.values():
         _assert_measured(row, 4)
-        assert row["sample"]
-    assert rows["moegraph"]["host_ms_per_step"] > 0
-    assert "| backend | bs |" in capsys.readouterr().out
+    assert rows["moegraph", True]["host_ms_per_step"] > 0 and rows["moegraph", False]["host_ms_per_step"] > 0
+    out = capsys.readouterr().out
+    assert "| backend | bs |" in out and "| sampled | host ms/step |" in out
 
 
 def test_bench_prompt_len_rows_read_the_kv_cache_of_their_context(tmp_path):
