@@ -486,7 +486,7 @@ def _start(args) -> Session:
         "num_layers": model.config.num_hidden_layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "moe_backend": f"{choice.name}: {choice.reason}",
         "command": _command(args),
-        "modes": _modes(args), "sample": SAMPLING if args.sample else None, "cases": [], "roofline": {},
+        "modes": _modes(args), "sample": SAMPLING if args.sample or args.long else None, "cases": [], "roofline": {},
     }
     print(f"bench: {results['gpu']}, torch {results['torch']}, transformers {results['transformers']}, "
           f"{args.model} {results['num_layers']} layers {args.dtype}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "

@@ -94,7 +94,7 @@ def test_bench_prompt_len_rows_read_the_kv_cache_of_their_context(tmp_path):
 def test_bench_long_sampled_run_and_time_to_first_token(tmp_path):
     results = _bench(tmp_path, "--long", "2,8,6", "--ttft", "4,8", "--batch-sizes", "1")
     long = results["long_cases"]
-    assert {r["backend"] for r in long} == {"hf", "moegraph"}
+    assert {r["backend"] for r in long} == {"hf", "moegraph"} and results["sample"]["top_p"] == 0.9
     for row in long:
         _assert_measured(row, 6)
         assert row["sample"] and row["batch_size"] == 2 and row["prompt_len"] == 8
