@@ -1,5 +1,6 @@
 """Quick GPU look, for iteration: decode tok/s of transformers vs moegraph (eager loop / graphs) on a
-few full-size layers, and the kernels one decode step launches per layer.
+few full-size layers, and the kernels one decode step (`--profile prefill|all`: one first token) launches per layer,
+from moegraph.profile_model, as the bench's --profile.
 Final figures come from `python -m moegraph bench`."""
 
 import argparse
@@ -10,22 +11,16 @@ from moegraph.bench import timed_call as timed
 from moegraph.testing import build_model, random_prompts
 
 
-def kernels_of_one_step(model, num_layers):
-    moegraph.patch(model, max_batch_size=8)
-    try:
-        print(moegraph.profile_step(model, 1).format(top=30))
-    finally:
-        moegraph.unpatch(model)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--profile", choices=["decode", "prefill", "all"], default="decode")
     args = parser.parse_args()
     model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
-    kernels_of_one_step(model, args.num_layers)
+    for profile in moegraph.profile_model(model, args.profile, batch_size=1, prompt_len=128).values():
+        print(profile.format(top=30))
     rows = []
     for bs in map(int, args.batch_sizes.split(",")):
         inputs = random_prompts(bs, vocab_size=model.config.vocab_size, min_len=16, max_len=128, device="cuda")

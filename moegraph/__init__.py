@@ -13,7 +13,7 @@ from .errors import (
 )
 from .moe.select import select_moe_backend
 from .patches.api import capture, decode_stats, is_patched, patch, unpatch
-from .profiling import StepProfile, profile_step
+from .profiling import PrefillProfile, StepProfile, profile_model, profile_prefill, profile_step
 
 
 def quantize_experts(model, *, double_quant: bool = False):
@@ -37,6 +37,7 @@ __all__ = [
     "InvalidArgumentError",
     "MoegraphError",
     "OutOfMemoryError",
+    "PrefillProfile",
     "StepProfile",
     "UnsupportedModelError",
     "UnsupportedVersionError",
@@ -46,6 +47,8 @@ __all__ = [
     "fit_report",
     "is_patched",
     "patch",
+    "profile_model",
+    "profile_prefill",
     "profile_step",
     "quantize_experts",
     "select_moe_backend",

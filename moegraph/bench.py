@@ -8,7 +8,11 @@ separately (a 1-token generate for transformers' backends; the decoder's own spl
 Roofline: bytes one decode step must read (distinct experts hit per layer, counted from the
 router, x bytes per expert as stored + every other decoder-layer weight + lm_head + the KV cache
 read; `step_bytes`) over the device copy bandwidth measured in the same run. A case that fails or does not fit the time
-budget is reported as such.
+budget is reported as such, or run with fewer new tokens (said in its notes) when that fits.
+
+Sections beyond that table (`--prompt-len`, `--long`, `--ttft`, `--profile`): moegraph/bench_modes.py; `--sample`
+adds sampled rows (SAMPLING) beside the greedy ones of the decode table. Every run writes one JSON (GPU, versions, date, command, the rows of
+each section) and prints each section as a markdown table.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import datetime
 import json
 import math
 import os
+import shlex
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -32,12 +38,17 @@ PRIORITY = ("moegraph", "hf", "moegraph_eager", "hf_batched_mm", "hf_static_comp
 # hf_4bit: transformers as load_in_4bit leaves it (Linear4bit projections, experts still bf16);
 # moegraph_nf4: moegraph with NF4 experts and Linear4bit projections.
 QUANT_BACKENDS = ("hf_4bit", "moegraph_nf4")
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=50)  # --sample, --long
+MIN_TOKENS = 8  # a case its budget would shorten below this many new tokens is reported, not run: too few steps
 
 
 @dataclass
 class Case:
     backend: str
     batch_size: int
+    prompt_len: int | None = None  # every row exactly this long; None: 16-128 tokens per row
+    new_tokens: int = 0  # of each timed run (fewer than asked when the budget shortened the case: see notes)
+    sample: bool = False  # SAMPLING, else greedy
     status: str = "ok"  # ok | failed: ... | over budget: ...
     runs: int = 0
     total_s: float = math.nan
@@ -49,6 +60,23 @@ class Case:
     peak_gb: float = math.nan
     capture_s: float = math.nan
     first_call_s: float = math.nan
+    host_ms_per_step: float = math.nan  # moegraph: decode_stats().host_ms_per_step (CPU time issuing a step)
+    kv_cache_gb: float = math.nan  # KV cache read by one decode step at the row's context (in the roofline)
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class TtftCase:
+    backend: str
+    batch_size: int
+    prompt_len: int
+    status: str = "ok"
+    runs: int = 0
+    ttft_ms: float = math.nan  # median wall time of generate(max_new_tokens=1), synchronized before and after
+    min_ms: float = math.nan
+    prefill_ms: float = math.nan  # moegraph: the decoder's own prefill part of it (decode_stats)
+    first_call_s: float = math.nan
+    capture_s: float = math.nan
     notes: list = field(default_factory=list)
 
 
@@ -164,13 +192,14 @@ def timed_call(fn):
 
 
 class Runner:
-    """Runs one backend at one batch size within a time budget."""
+    """Runs one backend at one batch size (and prompt, new tokens, sampling) within a time budget."""
 
     def __init__(self, model, args, deadline: float):
         self.model, self.args, self.deadline = model, args, deadline
 
-    def generate_kwargs(self, backend, new_tokens):
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    def generate_kwargs(self, backend, new_tokens, sample: bool = False):
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        kw.update(SAMPLING if sample else {"do_sample": False})
         if backend == "hf_static_compile":
             kw["cache_implementation"] = "static"
         return kw
@@ -186,68 +215,121 @@ class Runner:
         moegraph.unpatch(self.model)
         torch.cuda.empty_cache()
 
-    def run(self, backend, batch_size, prompts) -> Case:
-        case = Case(backend, batch_size)
+    def run(self, backend, batch_size, prompts, *, new_tokens: int | None = None, sample: bool = False,
+            prompt_len: int | None = None) -> Case:
+        """Decode speed: `new_tokens` (default --new-tokens) tokens, greedy or sampled (SAMPLING)."""
+        case = Case(backend, batch_size, prompt_len, new_tokens or self.args.new_tokens, sample)
+        return self._guarded(case, lambda: self._measure(case, prompts))
+
+    def ttft(self, backend, batch_size, prompts) -> TtftCase:
+        """Time to first token: generate(max_new_tokens=1), synchronized, median of --runs."""
+        case = TtftCase(backend, batch_size, prompts["input_ids"].shape[1])
+        return self._guarded(case, lambda: self._measure_ttft(case, prompts))
+
+    def _guarded(self, case, measure):
         remaining = self.deadline - time.perf_counter()
-        if remaining < 30 or (backend == "hf_static_compile" and remaining < 240):
+        if remaining < 30 or (case.backend == "hf_static_compile" and remaining < 240):
             case.status = f"over budget: {remaining:.0f} s of the run's budget left"
             return case
-        self.setup(backend, batch_size)
+        self.setup(case.backend, case.batch_size)
         try:
-            self._measure(case, backend, batch_size, prompts)
+            measure()
         except Exception as exc:  # a failing backend is reported, not dropped
             case.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         finally:
             self.teardown()
         return case
 
-    def _measure(self, case, backend, batch_size, prompts):
-        n = self.args.new_tokens
+    def _generate(self, case, prompts, tokens: int):
+        kw = self.generate_kwargs(case.backend, tokens, getattr(case, "sample", False))
+        return self.model.generate(**prompts, **kw)
+
+    def _budget(self) -> float:
+        return min(self.args.budget_s, self.deadline - time.perf_counter())
+
+    def _first_call(self, case, prompts, tokens: int) -> float | None:
+        """The first call (graph capture, compilation); the budget left after it, or None (status set) if spent."""
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        # a 2-token first call (graph capture, compilation), then a short warm-up that gives the
-        # per-token estimate used to fit the budget
-        _, case.first_call_s = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 2)))
-        warm_tokens = 4
-        _, warm_s = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, warm_tokens)))
-        estimate = warm_s * n / warm_tokens
-        budget = min(self.args.budget_s, self.deadline - time.perf_counter())
-        runs = min(self.args.runs, int(budget // max(estimate, 1e-3)))
-        if runs < 1:
-            case.status = f"over budget: one run ~{estimate:.0f} s, {budget:.0f} s allowed"
-            return
+        _, case.first_call_s = timed_call(lambda: self._generate(case, prompts, tokens))
+        if case.backend.startswith("moegraph"):
+            case.capture_s = moegraph.decode_stats(self.model).capture_seconds
+        budget = self._budget()
+        if case.first_call_s > budget:
+            case.status = f"over budget: the first call took {case.first_call_s:.0f} s, {budget:.0f} s allowed"
+            return None
+        return budget
+
+    def _fit_runs(self, case, estimate: float, budget: float) -> int:
+        runs = max(1, min(self.args.runs, int(budget // max(estimate, 1e-3))))
         if runs < self.args.runs:
             case.notes.append(f"timed runs trimmed {self.args.runs}->{runs} to fit {budget:.0f} s")
-        totals, prefills, decodes = [], [], []
+        return runs
+
+    def _fit_tokens(self, case, prefill: float, per_step: float, budget: float) -> int | None:
+        """The new tokens of a timed run: case.new_tokens, or fewer (noted) when one run would not fit the budget."""
+        n = case.new_tokens
+        if prefill + per_step * (n - 1) <= budget:
+            return n
+        fit = int((budget - prefill) / per_step) + 1 if per_step > 0 else 0
+        if fit < MIN_TOKENS:
+            case.status = f"over budget: one run ~{prefill + per_step * (n - 1):.0f} s, {budget:.0f} s allowed"
+            return None
+        case.notes.append(f"new tokens shortened {n}->{fit} to fit {budget:.0f} s")
+        case.new_tokens = fit
+        return fit
+
+    def _timed_runs(self, case, prompts, tokens: int, runs: int) -> tuple[list, list]:
+        """Seconds of `runs` synchronized generate() calls, and moegraph's decode_stats after each (None for hf)."""
+        seconds, stats = [], []
         for _ in range(runs):
-            _, total = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, n)))
-            totals.append(total)
-            if backend.startswith("moegraph"):
-                stats = moegraph.decode_stats(self.model)
-                prefills.append(stats.prefill_seconds)
-                decodes.append(stats.decode_seconds / max(stats.steps - 1, 1))
-                case.capture_s = stats.capture_seconds
-        if not backend.startswith("moegraph"):
-            _, prefill = timed_call(lambda: self.model.generate(**prompts, **self.generate_kwargs(backend, 1)))
+            seconds.append(timed_call(lambda: self._generate(case, prompts, tokens))[1])
+            stats.append(moegraph.decode_stats(self.model) if case.backend.startswith("moegraph") else None)
+        return seconds, stats
+
+    def _measure(self, case, prompts):
+        # moegraph's first call sizes the static cache for the whole case, so that no timed run grows it (re-capture)
+        budget = self._first_call(case, prompts, case.new_tokens if case.backend.startswith("moegraph") else 2)
+        if budget is None:
+            return
+        # a 1-token and a 4-token call: the prefill and the per-step estimate that fit the case to its budget
+        _, prefill = timed_call(lambda: self._generate(case, prompts, 1))
+        _, warm = timed_call(lambda: self._generate(case, prompts, 4))
+        per_step = max(warm - prefill, 0.0) / 3
+        budget = self._budget()
+        n = self._fit_tokens(case, prefill, per_step, budget)
+        if n is None:
+            return
+        totals, stats = self._timed_runs(case, prompts, n, self._fit_runs(case, prefill + per_step * (n - 1), budget))
+        if stats[0] is not None:
+            prefills = [s.prefill_seconds for s in stats]
+            decodes = [s.decode_seconds / max(s.steps - 1, 1) for s in stats]
+            case.host_ms_per_step = statistics.median(s.host_ms_per_step for s in stats)
+            if stats[-1].fallback_reason:
+                case.notes.append(f"fell back to transformers: {stats[-1].fallback_reason}")
+        else:
             prefills = [prefill]
             decodes = [(t - prefill) / (n - 1) for t in totals]
-        case.runs = runs
+        case.runs = len(totals)
         case.total_s = statistics.median(totals)
         case.prefill_ms = 1e3 * statistics.median(prefills)
         case.decode_ms_per_step = 1e3 * statistics.median(decodes)
-        case.tok_s = batch_size * n / case.total_s
-        case.decode_tok_s = batch_size / (case.decode_ms_per_step / 1e3)
+        case.tok_s = case.batch_size * n / case.total_s
+        case.decode_tok_s = case.batch_size / (case.decode_ms_per_step / 1e3)
         if torch.cuda.is_available():
             case.peak_gb = torch.cuda.max_memory_allocated() / 1e9
 
-
-def profile_one_step(model, batch_size: int) -> str:
-    """Kernels per decoder layer in one eager decode step of moegraph, the top kernels by time, and the replay."""
-    moegraph.patch(model, max_batch_size=max(batch_size, 1))
-    try:
-        return moegraph.profile_step(model, batch_size).format()
-    finally:
-        moegraph.unpatch(model)
+    def _measure_ttft(self, case, prompts):
+        budget = self._first_call(case, prompts, 2)
+        if budget is None:
+            return
+        _, estimate = timed_call(lambda: self._generate(case, prompts, 1))
+        times, stats = self._timed_runs(case, prompts, 1, self._fit_runs(case, estimate, self._budget()))
+        case.runs = len(times)
+        case.ttft_ms = 1e3 * statistics.median(times)
+        case.min_ms = 1e3 * min(times)
+        if stats[0] is not None:
+            case.prefill_ms = 1e3 * statistics.median(s.prefill_seconds for s in stats)
 
 
 def _plot(results, path):
@@ -315,79 +397,156 @@ def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: in
     return results
 
 
-def run_bench(args) -> int:
-    if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU (it measures decode speed against the GPU's memory bandwidth)")
-        return 2
-    unknown = set(args.backends.split(",")) - set(BACKENDS)
-    if unknown:
-        print(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
-        return 2
+@dataclass
+class Session:
+    """One `python -m moegraph bench`: the model, its runner, the results being filled, and the copy bandwidth."""
+
+    args: object
+    model: object
+    runner: Runner
+    results: dict
+    bandwidth: float
+    device: str
+    started: float
+
+    def prompts(self, batch_size: int, prompt_len: int | None = None) -> dict:
+        """Random prompts: 16-128 tokens per row (left-padded), or exactly `prompt_len` tokens each."""
+        low, high = (16, 128) if prompt_len is None else (prompt_len, prompt_len)
+        return random_prompts(batch_size, vocab_size=self.model.config.vocab_size, min_len=low, max_len=high,
+                              seed=batch_size, device=self.device)
+
+    def distinct_experts(self, batch_size: int) -> float:
+        """Distinct experts per layer per step at `batch_size` rows (random routing: the context does not matter)."""
+        entry = self.results["roofline"].setdefault(batch_size, {})
+        if "distinct_experts_per_layer" not in entry:
+            entry["distinct_experts_per_layer"] = count_distinct_experts(self.model, self.prompts(batch_size))
+        return entry["distinct_experts_per_layer"]
+
+    def add_roofline(self, case: Case, context: float) -> None:
+        """The case's roofline at `context` positions per row (prompt + half the new tokens), KV cache included."""
+        parts = step_bytes(self.model, case.batch_size, self.distinct_experts(case.batch_size), context)
+        case.roofline_tok_s = case.batch_size / (parts["total"] / self.bandwidth)
+        case.kv_cache_gb = parts["kv_cache"] / 1e9
+
+    def backends(self, default: str) -> list:
+        names = (self.args.backends or default).split(",")
+        return sorted((b for b in BACKENDS if b in names), key=PRIORITY.index)
+
+    def batch_sizes(self, default: str) -> list:
+        return [int(b) for b in (self.args.batch_sizes or default).split(",")]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _check_args(args) -> str | None:
     from moegraph.testing.models import CONFIGS
 
+    unknown = set((args.backends or "").split(",")) - set(BACKENDS) - {""}
+    if unknown:
+        return f"unknown backends {sorted(unknown)}; choose from {BACKENDS}"
     if args.model not in CONFIGS:
-        print(f"unknown --model {args.model!r}; choose one of {sorted(CONFIGS)}")
-        return 2
+        return f"unknown --model {args.model!r}; choose one of {sorted(CONFIGS)}"
     if args.double_quant and args.quant != "nf4":
-        print("--double-quant needs --quant nf4")
-        return 2
-    started = time.perf_counter()
-    deadline = started + args.total_budget_s
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    backends = [b for b in BACKENDS if b in args.backends.split(",")]
+        return "--double-quant needs --quant nf4"
+    if args.quant == "nf4" and (_modes(args) != ["decode"] or not torch.cuda.is_available()):
+        return "--quant nf4 runs with the decode table only (no --prompt-len/--long/--ttft/--profile), on a CUDA GPU"
+    if not torch.cuda.is_available() and not args.model.startswith("tiny"):
+        return "bench needs a CUDA GPU (it measures decode speed against the GPU's memory bandwidth); on the CPU, " \
+               "--model tiny (or another tiny-* preset) runs the bench's own code paths"
+    return None
+
+
+def _modes(args) -> list:
+    """What this run measures: the sections asked for, else the regular decode table (--sample: sampled)."""
+    modes = [m for m, asked in (("prompt_len", args.prompt_len), ("long", args.long), ("ttft", args.ttft),
+                                ("profile", args.profile)) if asked]
+    return modes or ["decode"]
+
+
+def _command(args) -> str:
+    """The command line of this run: as typed when it came through `python -m moegraph`, else its arguments."""
+    if sys.argv[0].endswith(("__main__.py", "moegraph")) and "bench" in sys.argv:
+        return "python -m moegraph " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return "bench " + " ".join(f"{k}={v}" for k, v in vars(args).items() if k != "func")
+
+
+def _start(args) -> Session:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
-    model = build_model(args.model, num_layers=args.num_layers, device="cuda", dtype=dtype, seed=0)
-    num_layers = model.config.num_hidden_layers
-    bandwidth = measure_copy_bandwidth("cuda")
-    results = {
-        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "moegraph": moegraph.__version__, "model": f"{args.model} (random weights)", "num_layers": num_layers,
-        "dtype": args.dtype, "new_tokens": args.new_tokens, "copy_bandwidth_tb_s": bandwidth / 1e12, "cases": [],
-        "roofline": {},
-    }
+    model = build_model(args.model, num_layers=args.num_layers, device=device, dtype=dtype, seed=0)
+    bandwidth = measure_copy_bandwidth(device)
     from moegraph.moe.select import describe_moe_backend
 
-    choice = describe_moe_backend("cuda", dtype)
-    results["moe_backend"] = f"{choice.name}: {choice.reason}"
+    choice = describe_moe_backend(device, dtype)
+    results = {
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "moegraph": moegraph.__version__, "model": f"{args.model} (random weights)",
+        "num_layers": model.config.num_hidden_layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "moe_backend": f"{choice.name}: {choice.reason}",
+        "command": _command(args),
+        "modes": _modes(args), "sample": SAMPLING if args.sample or args.long else None, "cases": [], "roofline": {},
+    }
     print(f"bench: {results['gpu']}, torch {results['torch']}, transformers {results['transformers']}, "
-          f"{args.model} {num_layers} layers {args.dtype}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, moegraph MoE "
-          f"backend {results['moe_backend']}", flush=True)
-    runner = Runner(model, args, deadline)
-    prompts = {}
-    for batch_size in batch_sizes:
-        prompts[batch_size] = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16,
-                                             max_len=128, seed=batch_size, device="cuda")
-        distinct = count_distinct_experts(model, prompts[batch_size])
-        context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + args.new_tokens / 2
-        results["roofline"][batch_size] = {"distinct_experts_per_layer": distinct, "context": context}
-        _add_roofline(results, "", model, batch_size, bandwidth)
-    cases = []
-    # the most telling comparisons first, so that a tight budget trims the others
-    for backend in sorted(backends, key=PRIORITY.index):
-        for batch_size in batch_sizes:
-            cases.append(_run_case(runner, backend, batch_size, prompts, results))
-    if args.quant == "nf4":
-        cases += _run_nf4_cases(runner, model, batch_sizes, prompts, results, args, bandwidth)
-        del runner, model
-        results["loading"] = measure_nf4_loading(args.model, num_layers, dtype, args.double_quant)
-        print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
-        model = None
-    cases.sort(key=lambda c: (c.batch_size, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
-    results["cases"] = [asdict(c) for c in cases]
-    profile = profile_one_step(model, 1) if args.profile and model is not None else None
-    results["profile"] = profile
+          f"{args.model} {results['num_layers']} layers {args.dtype}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"moegraph MoE backend {results['moe_backend']}", flush=True)
+    started = time.perf_counter()
+    return Session(args, model, Runner(model, args, started + args.total_budget_s), results, bandwidth, device, started)
+
+
+def run_bench(args) -> int:
+    error = _check_args(args)
+    if error:
+        print(error)
+        return 2
+    from moegraph import bench_modes
+
+    session = _start(args)
+    modes = _modes(args)
+    tables = [{"decode": _decode_mode, "prompt_len": bench_modes.prompt_len_mode, "long": bench_modes.long_mode,
+               "ttft": bench_modes.ttft_mode, "profile": bench_modes.profile_mode}[m](session) for m in modes]
+    results = session.results
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench_{args.model}_{num_layers}l_{args.dtype}"
-                        + (f"_nf4{'_dq' if args.double_quant else ''}" if args.quant == "nf4" else ""))
+    stem = os.path.join(args.out, f"bench_{args.model}_{results['num_layers']}l_{args.dtype}"
+                        + (f"_nf4{'_dq' if args.double_quant else ''}" if args.quant == "nf4" else "")
+                        + ("_sample" if args.sample else "") + "".join(f"_{m}" for m in modes if m != "decode"))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=2, default=str)
-    plot = _plot(results, stem + ".png")
-    if profile:
-        print(profile)
-    print(_table(cases, results, time.perf_counter() - started))
+    plot = _plot(results, stem + ".png") if results["cases"] else None
+    print(_head(results, session.elapsed()))
+    print("\n\n".join(tables))
     print(f"wrote {stem}.json" + (f" and {plot}" if plot else ""))
     return 0
+
+
+def _decode_mode(session: Session) -> str:
+    """The regular table: every backend at every batch size on 16-128-token prompts (--sample: sampled)."""
+    args, model, results = session.args, session.model, session.results
+    batch_sizes = session.batch_sizes("1,8,32,64")
+    prompts = {}
+    for batch_size in batch_sizes:
+        prompts[batch_size] = session.prompts(batch_size)
+        distinct = session.distinct_experts(batch_size)
+        context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + args.new_tokens / 2
+        results["roofline"][batch_size].update(distinct_experts_per_layer=distinct, context=context)
+        _add_roofline(results, "", model, batch_size, session.bandwidth)
+    cases = []
+    # the most telling comparisons first, so that a tight budget trims the others
+    for backend in session.backends(",".join(BACKENDS)):
+        for batch_size in batch_sizes:
+            for sample in (False, True) if args.sample else (False,):  # --sample: sampled beside greedy
+                cases.append(_run_case(session.runner, backend, batch_size, prompts, results, sample))
+    if args.quant == "nf4":
+        cases += _run_nf4_cases(session.runner, model, batch_sizes, prompts, results, args, session.bandwidth)
+        del model
+        session.model = session.runner.model = None
+        results["loading"] = measure_nf4_loading(args.model, results["num_layers"], getattr(torch, args.dtype),
+                                                 args.double_quant)
+        print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
+    cases.sort(key=lambda c: (c.batch_size, c.sample, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
+    results["cases"] = [asdict(c) for c in cases]
+    return decode_table(cases, prompt=False, host=args.sample)
 
 
 def _add_roofline(results, prefix: str, model, batch_size: int, bandwidth: float):
@@ -402,14 +561,22 @@ def _add_roofline(results, prefix: str, model, batch_size: int, bandwidth: float
           f"roofline {entry[prefix + 'roofline_tok_s']:.0f} tok/s", flush=True)
 
 
-def _run_case(runner, backend, batch_size, prompts, results) -> Case:
-    case = runner.run(backend, batch_size, prompts[batch_size])
+def _run_case(runner, backend, batch_size, prompts, results, sample: bool = False) -> Case:
+    case = runner.run(backend, batch_size, prompts[batch_size], sample=sample)
     prefix = {"hf_4bit": "hf_4bit_", "moegraph_nf4": "nf4_"}.get(backend, "")
-    case.roofline_tok_s = results["roofline"][batch_size][prefix + "roofline_tok_s"]
-    print(f"  {backend:<18} bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
-          f"{case.decode_ms_per_step:8.2f} ms/step" + (f"  ({'; '.join(case.notes)})" if case.notes else ""),
-          flush=True)
+    entry = results["roofline"][batch_size]
+    case.roofline_tok_s = entry[prefix + "roofline_tok_s"]
+    case.kv_cache_gb = entry[prefix + "step_bytes"]["kv_cache"] / 1e9
+    print_progress(case)
     return case
+
+
+def print_progress(case) -> None:
+    speed = (f"{case.ttft_ms:9.1f} ms to first token" if isinstance(case, TtftCase)
+             else f"{case.tok_s:9.1f} tok/s {case.decode_ms_per_step:8.2f} ms/step")
+    prompt = f" prompt {case.prompt_len:>5}" if case.prompt_len else ""
+    print(f"  {case.backend:<18} bs {case.batch_size:>3}{prompt} {case.status:<10} {speed}"
+          + (f"  ({'; '.join(case.notes)})" if case.notes else ""), flush=True)
 
 
 def _run_nf4_cases(runner, model, batch_sizes, prompts, results, args, bandwidth) -> list:
@@ -421,14 +588,13 @@ def _run_nf4_cases(runner, model, batch_sizes, prompts, results, args, bandwidth
     quantize_projections(model, double_quant=args.double_quant)
     for batch_size in batch_sizes:
         _add_roofline(results, "hf_4bit_", model, batch_size, bandwidth)
-    if "hf" in args.backends.split(","):
+    if "hf" in (args.backends or "hf").split(","):
         for batch_size in batch_sizes:
             case = runner.run("hf", batch_size, prompts[batch_size])
             case.backend = "hf_4bit"
             case.roofline_tok_s = results["roofline"][batch_size]["hf_4bit_roofline_tok_s"]
             cases.append(case)
-            print(f"  hf_4bit            bs {batch_size:>3} {case.status:<10} {case.tok_s:9.1f} tok/s "
-                  f"{case.decode_ms_per_step:8.2f} ms/step", flush=True)
+            print_progress(case)
     quantize_experts(model, double_quant=args.double_quant)
     torch.cuda.empty_cache()
     results["nf4_memory_gb"] = torch.cuda.memory_allocated() / 1e9
@@ -455,19 +621,54 @@ def measure_nf4_loading(name: str, num_layers: int, dtype: torch.dtype, double_q
     return {"after_gb": after / 1e9, "peak_gb": peak / 1e9, "double_quant": double_quant}
 
 
-def _table(cases, results, elapsed) -> str:
-    """One row per case; "vs hf" and "roofline" compare decode tok/s (the roofline is that of a decode step)."""
-    hf = {c.batch_size: c.decode_tok_s for c in cases if c.backend == "hf" and c.status == "ok"}
-    head = (f"\n{results['gpu']} | torch {results['torch']} | transformers {results['transformers']} | "
-            f"{results['date']} | {results['model']} {results['num_layers']} layers {results['dtype']} | "
-            f"{results['new_tokens']} new tokens | copy {results['copy_bandwidth_tb_s']:.2f} TB/s | moegraph MoE "
-            f"{results['moe_backend'].split(':')[0]} | {elapsed:.0f} s\n")
-    rows = [f"{'backend':<18} {'bs':>3} {'tok/s':>8} {'decode tok/s':>12} {'ms/step':>8} {'prefill ms':>10} "
-            f"{'vs hf':>6} {'roofline':>8} {'peak GB':>7} {'capture s':>9} {'1st call s':>10}  status"]
-    for c in cases:
-        speedup = c.decode_tok_s / hf[c.batch_size] if c.batch_size in hf else math.nan
-        rows.append(f"{c.backend:<18} {c.batch_size:>3} {c.tok_s:8.1f} {c.decode_tok_s:12.1f} "
-                    f"{c.decode_ms_per_step:8.2f} {c.prefill_ms:10.1f} {speedup:6.2f} "
-                    f"{c.decode_tok_s / c.roofline_tok_s:8.1%} {c.peak_gb:7.1f} {c.capture_s:9.2f} "
-                    f"{c.first_call_s:10.1f}  {c.status}{' (' + '; '.join(c.notes) + ')' if c.notes else ''}")
-    return head + "\n".join(rows)
+def _head(results, elapsed) -> str:
+    return (f"\n{results['gpu']} | torch {results['torch']} | transformers {results['transformers']} | "
+            f"moegraph {results['moegraph']} | {results['date']} | {results['model']} {results['num_layers']} layers "
+            f"{results['dtype']} | copy {results['copy_bandwidth_tb_s']:.2f} TB/s | moegraph MoE "
+            f"{results['moe_backend'].split(':')[0]} | {elapsed:.0f} s | `{results['command']}`\n")
+
+
+def markdown(columns, rows) -> str:
+    """A markdown table: `columns` is [(header, row -> str)]."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(f(r) for _, f in columns) + " |" for r in rows])
+
+
+def num(key: str, spec: str = ".1f"):
+    """A column of `row.key` formatted by `spec`; "-" where it is None or nan (not measured)."""
+    def cell(row):
+        value = getattr(row, key)
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+    return cell
+
+
+def status(row) -> str:
+    return row.status + (f" ({'; '.join(row.notes)})" if row.notes else "")
+
+
+def decode_table(cases, *, prompt: bool, host: bool) -> str:
+    """One row per decode case; "vs hf" and "roofline" compare decode tok/s (the roofline is that of a decode step,
+    the KV cache of its context included); `prompt`: the prompt and new-token columns, `host`: moegraph's host ms."""
+    hf = {(c.batch_size, c.prompt_len, c.sample): c.decode_tok_s
+          for c in cases if c.backend == "hf" and c.status == "ok"}
+
+    def vs_hf(c):  # against transformers decoding the same way (greedy or sampled)
+        base = hf.get((c.batch_size, c.prompt_len, c.sample))
+        return "-" if base is None or math.isnan(c.decode_tok_s) else f"{c.decode_tok_s / base:.2f}"
+
+    columns = [("backend", lambda c: c.backend), ("bs", num("batch_size", "d"))]
+    if prompt:
+        columns += [("prompt", num("prompt_len", "d")), ("new tok", num("new_tokens", "d"))]
+    def of_roofline(c):
+        return "-" if math.isnan(c.decode_tok_s) else f"{c.decode_tok_s / c.roofline_tok_s:.1%}"
+
+    columns += [("tok/s", num("tok_s")), ("decode tok/s", num("decode_tok_s")),
+                ("ms/step", num("decode_ms_per_step", ".2f")), ("prefill ms", num("prefill_ms")), ("vs hf", vs_hf),
+                ("roofline", of_roofline),
+                ("roofline tok/s", num("roofline_tok_s", ".0f")), ("KV GB/step", num("kv_cache_gb", ".3g"))]
+    if host:
+        columns += [("sampled", lambda c: "yes" if c.sample else "no"),
+                    ("host ms/step", num("host_ms_per_step", ".3f"))]
+    columns += [("peak GB", num("peak_gb")), ("capture s", num("capture_s", ".2f")),
+                ("1st call s", num("first_call_s")), ("status", status)]
+    return markdown(columns, cases)

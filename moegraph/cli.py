@@ -164,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="preset of moegraph.testing (random weights), e.g. qwen3-30b-a3b, mixtral-8x7b")
     bench.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: all of the preset)")
     bench.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    bench.add_argument("--batch-sizes", default="1,8,32,64")
-    bench.add_argument("--backends", default="hf,hf_batched_mm,hf_static_compile,moegraph_eager,moegraph")
+    bench.add_argument("--batch-sizes", default=None,
+                       help="default: 1,8,32,64 for the decode table, 1,8 for --prompt-len and --ttft, 1 for --profile")
+    bench.add_argument("--backends", default=None,
+                       help="default: hf,hf_batched_mm,hf_static_compile,moegraph_eager,moegraph for the decode "
+                            "table, hf,moegraph for --prompt-len, --long and --ttft")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--runs", type=int, default=3, help="timed runs per case (median reported)")
     bench.add_argument("--budget-s", type=float, default=45.0,
@@ -177,8 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "then NF4 experts too (moegraph_nf4)")
     bench.add_argument("--double-quant", action="store_true",
                        help="with --quant nf4: double-quantized absmax (bnb_4bit_use_double_quant)")
-    bench.add_argument("--profile", action="store_true", help="kernels per layer and top kernels of one step")
-    bench.add_argument("--out", default="results", help="folder for the JSON and the PNG plot")
+    bench.add_argument("--sample", action="store_true",
+                       help="decode table: each case also sampled (do_sample, temperature 0.7, top_p 0.9, top_k 50) "
+                            "beside greedy, with moegraph's host ms/step")
+    bench.add_argument("--prompt-len", default=None, metavar="LENS",
+                       help="instead of the decode table: decode ms/step and tok/s at prompts of exactly these "
+                            "lengths, e.g. 512,4096,16384,32768")
+    bench.add_argument("--long", nargs="?", const="32,256,1024", default=None, metavar="B,P,N",
+                       help="instead of the decode table: B rows of P-token prompts, N sampled tokens "
+                            "(default 32,256,1024)")
+    bench.add_argument("--ttft", nargs="?", const="16,512,4096", default=None, metavar="LENS",
+                       help="instead of the decode table: time to first token at these prompt lengths "
+                            "(default 16,512,4096)")
+    bench.add_argument("--profile", choices=["decode", "prefill", "all"], default=None,
+                       help="instead of the decode table: kernels per layer and top kernels of one decode step "
+                            "(and its graph replay time) and/or of one first token")
+    bench.add_argument("--profile-prompt-len", type=int, default=128, help="prompt tokens of --profile prefill")
+    bench.add_argument("--out", default="results", help="folder for the JSON (and the decode table's PNG plot)")
     bench.set_defaults(func=_bench)
     return parser
 

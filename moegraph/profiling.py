@@ -1,20 +1,27 @@
-"""Where one decode step goes: the kernels (or CPU ops) of one eager step, and the GPU time of its replayed graph.
+"""Where one decode step and one first token go: the kernels (or CPU ops) they run, and their time.
 
 `profile_step(model, batch_size)` patches nothing: the model must be patched; it prepares the static cache (and the
 graphs, on CUDA) for `batch_size` rows with `moegraph.capture()`, then profiles one step of moegraph's decode loop
 over the static inputs (the token ids and positions they hold; the kernels and their shapes do not depend on them).
-The bench's `--profile` and the scripts in benchmarks/ print its `format()`.
+`profile_prefill(model, batch_size, prompt_len)` profiles one first token as `generate()` makes it (prefill forward,
+the copy into the static cache, the first pick) on random prompts of exactly `prompt_len` tokens, patched or not.
+`profile_model(model, what)` runs either or both, patching the model for the time it takes if it is not patched:
+the bench's `--profile decode|prefill|all` and the scripts in benchmarks/ call it and print the profiles' `format()`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .patches.api import _patched_decoder, capture
+from .errors import InvalidArgumentError
+from .patches.api import _patched_decoder, capture, is_patched, patch, unpatch
+
+PROFILES = ("decode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -24,13 +31,12 @@ class KernelTime:
     total_us: float
 
 
-@dataclass(frozen=True)
-class StepProfile:
-    batch_size: int
+class _KernelTable:
+    """What a profile of `kernels` over `layers` decoder layers shares: totals and the top lines of `format()`."""
+
+    kernels: tuple[KernelTime, ...]
     layers: int
-    device: str  # "cuda": GPU kernels; "cpu": CPU ops (what a CPU step runs)
-    kernels: tuple[KernelTime, ...]  # by total time, longest first
-    graph_replay_ms: float | None  # GPU time of one replay of the bucket's graph (back to back); None off CUDA
+    device: str
 
     @property
     def calls(self) -> int:
@@ -40,35 +46,119 @@ class StepProfile:
     def total_us(self) -> float:
         return sum(k.total_us for k in self.kernels)
 
+    def _what(self) -> str:
+        return "kernels" if self.device == "cuda" else "CPU ops"
+
+    def _top_lines(self, top: int) -> list[str]:
+        return [f"  {100 * k.total_us / max(self.total_us, 1e-9):5.1f}%  {k.calls:5d}x  "
+                f"{k.total_us / k.calls:8.2f} us  {k.name[:90]}" for k in self.kernels[:top]]
+
+
+@dataclass(frozen=True)
+class StepProfile(_KernelTable):
+    batch_size: int
+    layers: int
+    device: str  # "cuda": GPU kernels; "cpu": CPU ops (what a CPU step runs)
+    kernels: tuple[KernelTime, ...]  # by total time, longest first
+    graph_replay_ms: float | None  # GPU time of one replay of the bucket's graph (back to back); None off CUDA
+
     def format(self, top: int = 12) -> str:
-        what = "kernels" if self.device == "cuda" else "CPU ops"
-        head = (f"profile (batch {self.batch_size}): {self.calls} {what} in one eager decode step, "
+        head = (f"profile (batch {self.batch_size}): {self.calls} {self._what()} in one eager decode step, "
                 f"{self.calls / self.layers:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms")
         if self.graph_replay_ms is not None:
             head += f"; the captured graph replays in {self.graph_replay_ms:.3f} ms"
-        lines = [head]
-        for k in self.kernels[:top]:
-            lines.append(f"  {100 * k.total_us / max(self.total_us, 1e-9):5.1f}%  {k.calls:5d}x  "
-                         f"{k.total_us / k.calls:8.2f} us  {k.name[:90]}")
-        return "\n".join(lines)
+        return "\n".join([head] + self._top_lines(top))
+
+
+@dataclass(frozen=True)
+class PrefillProfile(_KernelTable):
+    batch_size: int
+    prompt_len: int
+    layers: int
+    device: str
+    kernels: tuple[KernelTime, ...]  # of one first token (prefill forward, cache copy, first pick), longest first
+    first_token_ms: float  # wall time of one such generate() call, synchronized, outside the profiler (median of 3)
+    patched: bool  # moegraph's first token, or transformers' own
+
+    def format(self, top: int = 12) -> str:
+        head = (f"prefill profile ({'moegraph' if self.patched else 'transformers'}, batch {self.batch_size}, "
+                f"{self.prompt_len}-token prompts): {self.calls} {self._what()} in one first token, "
+                f"{self.calls / self.layers:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms of them; "
+                f"the first token takes {self.first_token_ms:.2f} ms (wall, synchronized)")
+        return "\n".join([head] + self._top_lines(top))
 
 
 def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20) -> StepProfile:
     """Profile one decode step of a patched model at `batch_size` rows (see the module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     decoder = _patched_decoder(model, "profile_step")
     capture(model, batch_size)
     device = decoder.model.device
     on_cuda = device.type == "cuda"
     decoder.eager_step(batch_size)  # warm: lazy initialisation and compilation stay out of the profile
-    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
+    with profile(activities=[_activity(device)]) as prof:
         decoder.eager_step(batch_size)
-        if on_cuda:
-            torch.cuda.synchronize(device)
+        _sync(device)
     return StepProfile(batch_size, model.config.num_hidden_layers, device.type, _by_name(prof, on_cuda),
                        _replay_ms(decoder, batch_size, replays) if on_cuda else None)
+
+
+def profile_prefill(model: nn.Module, batch_size: int = 1, prompt_len: int = 128, seed: int = 0) -> PrefillProfile:
+    """Profile one first token of `generate()` (see the module docstring) on `batch_size` random prompts of exactly
+    `prompt_len` tokens: moegraph's when the model is patched, transformers' otherwise."""
+    from torch.profiler import profile
+
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), generator=gen).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def first_token():
+        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        _sync(device)
+
+    first_token()  # warm: the static cache sized for these prompts, lazy initialisation, autotuning
+    times = [_timed(first_token) for _ in range(3)]
+    with profile(activities=[_activity(device)]) as prof:
+        first_token()
+    return PrefillProfile(batch_size, prompt_len, model.config.num_hidden_layers, device.type,
+                          _by_name(prof, device.type == "cuda"), 1e3 * sorted(times)[1], is_patched(model))
+
+
+def profile_model(model: nn.Module, what: str = "all", batch_size: int = 1, prompt_len: int = 128) -> dict:
+    """{"decode": StepProfile, "prefill": PrefillProfile} (`what`: decode, prefill or all) of moegraph at `batch_size`
+    rows; a model that is not patched is patched for the time it takes (max_batch_size=batch_size), then unpatched."""
+    kinds = PROFILES if what == "all" else (what,)
+    if set(kinds) - set(PROFILES):
+        raise InvalidArgumentError(f"unknown profile {what!r}; choose one of {PROFILES + ('all',)}")
+    owned = not is_patched(model)
+    if owned:
+        patch(model, max_batch_size=max(batch_size, 1))
+    try:
+        run = {"decode": lambda: profile_step(model, batch_size),
+               "prefill": lambda: profile_prefill(model, batch_size, prompt_len)}
+        return {kind: run[kind]() for kind in kinds}
+    finally:
+        if owned:
+            unpatch(model)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _activity(device):
+    from torch.profiler import ProfilerActivity
+
+    return ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
 
 
 def _by_name(prof, on_cuda: bool) -> tuple[KernelTime, ...]:

@@ -43,3 +43,101 @@ def test_bench_command_line_takes_a_model_dtype_and_double_quant():
                                       "--double-quant"])
     assert (args.model, args.dtype, args.quant, args.double_quant, args.num_layers) == (
         "mixtral-8x7b", "float16", "nf4", True, None)
+
+
+def _bench(tmp_path, *extra):
+    """`python -m moegraph bench` on the CPU with the tiny model; the JSON it wrote."""
+    import json
+
+    from moegraph.cli import main
+
+    argv = ["bench", "--model", "tiny", "--new-tokens", "4", "--runs", "1", "--out", str(tmp_path), *extra]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("bench_tiny_*.json")
+    results = json.loads(path.read_text())
+    assert results["gpu"] == "cpu" and results["date"] and results["torch"] and results["transformers"]
+    assert results["command"].startswith("bench ") or results["command"].startswith("python -m moegraph bench")
+    return results
+
+
+def _assert_measured(row, new_tokens):
+    assert row["status"] == "ok", row
+    assert row["new_tokens"] == new_tokens and row["runs"] >= 1
+    assert row["tok_s"] > 0 and row["decode_ms_per_step"] > 0 and row["prefill_ms"] > 0 and row["roofline_tok_s"] > 0
+    assert row["kv_cache_gb"] > 0
+
+
+def test_bench_sample_puts_sampled_rows_beside_greedy_ones_with_host_time(tmp_path, capsys):
+    results = _bench(tmp_path, "--backends", "hf,moegraph", "--batch-sizes", "1", "--sample")
+    assert results["modes"] == ["decode"] and results["sample"]["top_k"] == 50
+    rows = {(c["backend"], c["sample"]): c for c in results["cases"]}
+    assert set(rows) == {(b, s) for b in ("hf", "moegraph") for s in (False, True)}
+    for row in rows.values():
+        _assert_measured(row, 4)
+    assert rows["moegraph", True]["host_ms_per_step"] > 0 and rows["moegraph", False]["host_ms_per_step"] > 0
+    out = capsys.readouterr().out
+    assert "| backend | bs |" in out and "| sampled | host ms/step |" in out
+
+
+def test_bench_prompt_len_rows_read_the_kv_cache_of_their_context(tmp_path):
+    results = _bench(tmp_path, "--prompt-len", "8,16", "--batch-sizes", "1,2")
+    rows = results["prompt_len_cases"]
+    assert results["cases"] == [] and len(rows) == 8
+    assert {(r["backend"], r["batch_size"], r["prompt_len"]) for r in rows} == {
+        (b, n, p) for b in ("hf", "moegraph") for n in (1, 2) for p in (8, 16)}
+    for row in rows:
+        _assert_measured(row, 4)
+    kv = {(r["backend"], r["batch_size"], r["prompt_len"]): r["kv_cache_gb"] for r in rows}
+    assert kv["moegraph", 1, 16] > kv["moegraph", 1, 8] and kv["hf", 2, 8] == pytest.approx(2 * kv["hf", 1, 8])
+
+
+def test_bench_long_sampled_run_and_time_to_first_token(tmp_path):
+    results = _bench(tmp_path, "--long", "2,8,6", "--ttft", "4,8", "--batch-sizes", "1")
+    long = results["long_cases"]
+    assert {r["backend"] for r in long} == {"hf", "moegraph"} and results["sample"]["top_p"] == 0.9
+    for row in long:
+        _assert_measured(row, 6)
+        assert row["sample"] and row["batch_size"] == 2 and row["prompt_len"] == 8
+    ttft = results["ttft_cases"]
+    assert {(r["backend"], r["prompt_len"]) for r in ttft} == {(b, p) for b in ("hf", "moegraph") for p in (4, 8)}
+    for row in ttft:
+        assert row["status"] == "ok" and row["runs"] == 1 and row["ttft_ms"] > 0 and row["min_ms"] <= row["ttft_ms"]
+    assert all(r["prefill_ms"] > 0 for r in ttft if r["backend"] == "moegraph")
+
+
+def test_bench_profile_decode_and_prefill(tmp_path, capsys):
+    results = _bench(tmp_path, "--profile", "all", "--profile-prompt-len", "6")
+    profile = results["profile"]
+    assert set(profile) == {"decode_bs1", "prefill_bs1"}
+    assert profile["prefill_bs1"]["prompt_len"] == 6 and profile["prefill_bs1"]["first_token_ms"] > 0
+    for entry in profile.values():
+        assert entry["calls"] > 0 and entry["kernels"] and "per decoder layer" in entry["format"]
+    assert "prefill profile (moegraph, batch 1, 6-token prompts)" in capsys.readouterr().out
+
+
+def test_bench_over_budget_lengths_are_reported_and_longer_ones_skipped(tmp_path):
+    results = _bench(tmp_path, "--prompt-len", "8,16", "--batch-sizes", "1", "--backends", "hf", "--budget-s", "0")
+    first, second = results["prompt_len_cases"]
+    assert first["status"].startswith("over budget: the first call took")
+    assert second["status"] == "over budget: skipped (over budget at 8-token prompts)"
+    assert second["roofline_tok_s"] > 0  # the row still says what the roofline would be
+
+
+def test_runner_shortens_a_case_to_its_budget_and_says_so():
+    from types import SimpleNamespace
+
+    from moegraph.bench import Case, Runner
+
+    runner = Runner(None, SimpleNamespace(runs=3, budget_s=10.0), deadline=0.0)
+    case = Case("hf", 1, new_tokens=64)
+    assert runner._fit_tokens(case, prefill=1.0, per_step=0.1, budget=3.0) == 21
+    assert case.new_tokens == 21 and case.notes == ["new tokens shortened 64->21 to fit 3 s"]
+    case = Case("hf", 1, new_tokens=64)
+    assert runner._fit_tokens(case, prefill=1.0, per_step=1.0, budget=3.0) is None
+    assert case.status.startswith("over budget: one run ~64 s")
+
+
+def test_bench_mode_flags_take_their_default_shapes():
+    args = build_parser().parse_args(["bench", "--long", "--ttft", "--profile", "prefill"])
+    assert (args.long, args.ttft, args.profile, args.prompt_len, args.batch_sizes) == (
+        "32,256,1024", "16,512,4096", "prefill", None, None)

@@ -1,4 +1,5 @@
-"""moegraph.profile_step: the public way to see what one decode step runs (the bench's --profile uses it)."""
+"""moegraph.profile_step / profile_prefill / profile_model: the public way to see what one decode step and one
+first token run (the bench's --profile and benchmarks/quick_decode.py use them)."""
 
 import pytest
 import torch
@@ -34,3 +35,26 @@ def test_profile_step_lists_the_ops_of_one_step_and_leaves_generate_as_it_was(mo
 def test_profile_step_needs_a_patched_model(model):
     with pytest.raises(moegraph.InvalidArgumentError, match="moegraph.patch"):
         moegraph.profile_step(model)
+
+
+def test_profile_prefill_breaks_down_one_first_token_patched_or_not(model):
+    plain = moegraph.profile_prefill(model, batch_size=2, prompt_len=6)
+    assert not plain.patched and plain.prompt_len == 6 and plain.first_token_ms > 0 and plain.calls > 0
+    moegraph.patch(model)
+    try:
+        patched = moegraph.profile_prefill(model, batch_size=2, prompt_len=6)
+    finally:
+        moegraph.unpatch(model)
+    assert patched.patched and patched.batch_size == 2 and patched.total_us > 0
+    assert any("mm" in k.name for k in patched.kernels)
+    text = patched.format(top=2)
+    assert "moegraph, batch 2, 6-token prompts" in text and len(text.splitlines()) == 3
+
+
+def test_profile_model_patches_for_the_time_it_takes(model):
+    profiles = moegraph.profile_model(model, "all", batch_size=1, prompt_len=5)
+    assert set(profiles) == {"decode", "prefill"} and not moegraph.is_patched(model)
+    assert isinstance(profiles["decode"], moegraph.StepProfile) and profiles["prefill"].patched
+    assert set(moegraph.profile_model(model, "prefill", prompt_len=5)) == {"prefill"}
+    with pytest.raises(moegraph.InvalidArgumentError, match="unknown profile"):
+        moegraph.profile_model(model, "kernels")
