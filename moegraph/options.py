@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from .errors import InvalidArgumentError
 from .moe.select import validate_backend_name
 
+SAMPLING_MODES = ("auto", "device", "transformers")
+
 
 @dataclass(frozen=True)
 class PatchOptions:
@@ -15,6 +17,7 @@ class PatchOptions:
     max_batch_size: int = 16  # rows of the static KV cache; larger batches are split into chunks
     max_seq_len: int | None = None  # positions of the static cache; None: sized by the calls, grown on demand
     check_every: int = 8  # decode steps between host checks of "all rows finished"
+    sampling: str = "auto"  # "auto" (device on CUDA) | "device" | "transformers" (its processors + multinomial)
 
     def __post_init__(self):
         validate_backend_name(self.moe_backend)
@@ -24,6 +27,9 @@ class PatchOptions:
             raise InvalidArgumentError(f"max_seq_len must be an int >= 2 or None (grow on demand), got {self.max_seq_len!r}")
         if not isinstance(self.check_every, int) or self.check_every < 1:
             raise InvalidArgumentError(f"check_every must be a positive int, got {self.check_every!r}")
+        if self.sampling not in SAMPLING_MODES:
+            raise InvalidArgumentError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got "
+                                       f"{self.sampling!r}")
 
     @classmethod
     def from_kwargs(cls, **options) -> "PatchOptions":

@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError
 from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
-from . import hf_cache, support
+from . import hf_cache, sampling, support
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
 from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
 
@@ -51,6 +51,7 @@ class DecodeStats:
     capture_seconds: float = 0.0
     captures: int = 0
     fallback_reason: str | None = None
+    sampling: str | None = None  # "greedy", "device" (moegraph's sampler) or "transformers: <why>" (host path)
 
     @property
     def host_ms_per_step(self) -> float:
@@ -103,6 +104,8 @@ class _Call:
     keep_logits: bool
     prompt: _Prompt
     stats: DecodeStats
+    plan: sampling.SamplingPlan | None = None  # sampling on the device; None: transformers' processors
+    seed: int = 0  # of the device sampler's draws, taken once per call from torch's default generator
     scores: list = field(default_factory=list)
     raw_logits: list = field(default_factory=list)
 
@@ -144,6 +147,7 @@ class GraphDecoder:
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread inside generate()/capture()
         self._release_when_done = False
+        self._samplers: dict = {}  # (plan stages, vocab) -> DeviceSampler, dropped with the static cache
 
     # ----- lifecycle -------------------------------------------------------------------------
     def release(self) -> None:
@@ -180,6 +184,7 @@ class GraphDecoder:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = self.cache = self.inputs = None
+        self._samplers = {}  # their graphs read the decode graphs' logits
         self._weight_slots, self._weights = [], ()
 
     def graphs_enabled(self) -> bool:
@@ -306,6 +311,7 @@ class GraphDecoder:
         )
         if has_eos and call.pad is None:
             raise ValueError("EOS stopping needs a pad_token_id for finished rows; pass pad_token_id=... to generate()")
+        self._plan_sampling(call)
         sequences = self._decode_in_chunks(input_ids, call)
         self.stats = call.stats
         if streamer is not None:
@@ -369,6 +375,49 @@ class GraphDecoder:
             keep_cache=cache is not None and (bool(generation_config.return_dict_in_generate) or user_cache),
             past=past, next_sequence_length=next_sequence_length, kv_width=kv_width,
             rope_start=rope_start.to(input_ids.device, torch.long))
+
+    def _plan_sampling(self, call: _Call) -> None:
+        """Sample on the device when the call samples, the setting allows it and the plan covers its processors."""
+        if not call.do_sample:
+            call.stats.sampling = "greedy"
+            return
+        mode = self.options.sampling
+        if mode == "transformers" or (mode == "auto" and self.model.device.type != "cuda"):
+            call.stats.sampling = f"transformers: sampling={mode!r} on {self.model.device.type}"
+            return
+        if call.keep_scores:
+            call.stats.sampling = "transformers: output_scores (transformers' processors return the scores)"
+            return
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        plan = sampling.plan_sampling(call.logits_processor, vocab)
+        if isinstance(plan, str):
+            call.stats.sampling = f"transformers: {plan}"
+            return
+        call.plan = plan
+        call.seed = int(torch.randint(0, 1 << 62, ()))  # the default generator: torch.manual_seed reproduces
+        call.stats.sampling = "device"
+
+    def _chunk_sampler(self, call: _Call, input_ids, part: slice, logits, rows: int, use_graphs: bool):
+        """The device sampler for this chunk (its graph captured for the chunk's bucket), loaded with the call."""
+        bucket = bucket_for(rows, self.buckets)
+        key = (call.plan.stages, logits.shape[-1])
+        sampler = self._samplers.get(key)
+        if sampler is None or sampler.rows < bucket:
+            if len(self._samplers) >= 8:  # each holds a few [rows, V] buffers and its graph pool
+                self._samplers.clear()
+            sampler = self._samplers[key] = sampling.DeviceSampler(key[0], self.cache.rows, key[1], logits.device)
+        if use_graphs:
+            try:
+                sampler.capture(bucket, self.graphs.outputs[bucket])  # before load(): capturing runs the sampler
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(f"capturing the sampler graph (batch bucket {bucket})", exc) from None
+            except Exception as exc:  # the eager sampler draws the same tokens
+                sampler.release()
+                self._warn_once(f"moegraph: capturing the sampler failed ({type(exc).__name__}: {exc}); sampling "
+                                "eagerly after each replayed step")
+                use_graphs = False
+        sampler.load(call.plan, input_ids, part.start, call.seed, call_rows=call.prompt.rope_start.shape[0])
+        return sampling.ChunkSampler(sampler, rows, bucket, use_graphs)
 
     # ----- the loop ---------------------------------------------------------------------------
     def _decode_in_chunks(self, input_ids, call: _Call) -> torch.Tensor:
@@ -444,10 +493,12 @@ class GraphDecoder:
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         alive = torch.ones(max_new, dtype=torch.bool, device=device)  # [step]: some row unfinished after it
         check_every = 1 if call.streamer is not None else self.options.check_every
+        sample = (self._chunk_sampler(call, input_ids, part, logits, rows, use_graphs)
+                  if call.plan is not None else None)
         step = 0
         for step in range(max_new):
             issued = time.perf_counter()
-            next_tokens = self._select(call, tokens[:, :prompt_len + step], logits)
+            next_tokens = self._select(call, tokens[:, :prompt_len + step], logits, sample)
             if call.eos is not None:
                 next_tokens = torch.where(unfinished, next_tokens, call.pad)
                 unfinished &= ~torch.isin(next_tokens, call.eos)
@@ -481,9 +532,11 @@ class GraphDecoder:
             del call.raw_logits[len(call.raw_logits) - (step + 1 - produced):]
         return _Rows(tokens[:, :prompt_len + produced], produced, prefill_cache, mask, rope_start)
 
-    def _select(self, call: _Call, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _select(self, call: _Call, input_ids: torch.Tensor, logits: torch.Tensor, sample=None) -> torch.Tensor:
         if call.keep_logits:
             call.raw_logits.append(logits.clone())
+        if sample is not None:  # moegraph's sampler: its processors and draw on the device (captured on CUDA)
+            return sample(logits)
         scores = call.logits_processor(input_ids, logits)
         if call.keep_scores:
             call.scores.append(scores.clone() if scores is logits else scores)
