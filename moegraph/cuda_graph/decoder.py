@@ -120,14 +120,16 @@ class _Rows:
 
 class GraphDecoder:
     def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable,
-                 check_positions: Callable | None = None):
+                 check_positions: Callable | None = None, check_prompt: Callable | None = None):
         """decode_step: the model family's one-token forward over the static cache (moegraph.models);
         check_positions(model, positions) -> reason | None: the family's limit on the positions one call may hold
-        (e.g. a sliding window), None: no limit."""
+        (e.g. a sliding window), None: no limit; check_prompt(model, attention_mask, positions) -> reason | None:
+        its limit that also reads the call's attention_mask [rows, cache + input] (or None), None: no limit."""
         self.model = model
         self.options = options
         self.decode_step = decode_step
         self.check_positions = check_positions
+        self.check_prompt = check_prompt
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -282,6 +284,9 @@ class GraphDecoder:
         if reason is None and self.check_positions is not None:
             reason = self.check_positions(self.model, prompt.kv_width + max_new)
             once_key = "positions"
+        if reason is None and self.check_prompt is not None:
+            reason = self.check_prompt(self.model, prompt.model_kwargs.get("attention_mask"), prompt.kv_width + max_new)
+            once_key = "prompt"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 

@@ -77,8 +77,19 @@ def capacity(cache) -> int | None:
 
 
 def layers_kv(cache, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (keys, values) [rows, kv_heads, width, head_dim]: the first `width` positions."""
-    return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in cache.layers]
+    """Per layer (keys, values) [rows, kv_heads, width, head_dim]: the first `width` positions.
+
+    A sliding-window layer (DynamicSlidingWindowLayer, e.g. GPT-OSS's) keeps only the last sliding_window - 1
+    positions: those come last, zeros in front of them. No query of that layer sees the zeros: they lie past its
+    window for every row whose padding is on the left (a family that slides checks the padding, check_prompt)."""
+    out = []
+    for layer in cache.layers:
+        keys, values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        missing = width - keys.shape[2]
+        if missing > 0 and getattr(layer, "is_sliding", False):
+            keys, values = (torch.nn.functional.pad(t, (0, 0, missing, 0)) for t in (keys, values))
+        out.append((keys, values))
+    return out
 
 
 def seeded_cache(config, cache, rows: slice, width: int):
