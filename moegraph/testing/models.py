@@ -368,7 +368,7 @@ CONFIGS: dict[str, dict] = {
         vision_end_token_id=151653,
         tie_word_embeddings=False,
     ),
-    # CPU tests of the GPT-OSS family: q/k/v/o biases, attention sinks, layers alternating sliding (window 8, shorter
+    # CPU tests of the GPT-OSS family: q/k/v/o biases, attention sinks, layers alternating sliding (window 6, shorter
     # than the tests' longer prompts) and full attention (layer_types derived from num_hidden_layers), a biased
     # top-3 router, experts with biases and the clamped SwiGLU (limit 7, alpha 1.702: the config's defaults), YaRN
     # RoPE as the checkpoints use it (x32, over 1024 / 32 positions: transformers checks that ratio).
@@ -382,7 +382,7 @@ CONFIGS: dict[str, dict] = {
         head_dim=16,
         num_local_experts=8,
         num_experts_per_tok=3,
-        sliding_window=8,
+        sliding_window=6,
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
