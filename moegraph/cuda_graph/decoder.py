@@ -528,6 +528,7 @@ class GraphDecoder:
                    torch.cat([d.cache.layers[i].values[:, :, prompt.past:] for d in done]))
                   for i in range(len(done[0].cache.layers))]
         hf_cache.append_kv(prompt.cache, joined)
+        hf_cache.match_lengths(prompt.cache, done[0].cache)  # every chunk ran to the same length
 
     def eager_step(self, rows: int) -> torch.Tensor:
         """One decode step of the first `rows` rows of the static inputs, not captured (for profiling)."""

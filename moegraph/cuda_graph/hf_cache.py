@@ -109,3 +109,12 @@ def append_kv(cache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         return
     for layer_idx, (keys, values) in enumerate(layers):
         cache.update(keys, values, layer_idx)
+
+
+def match_lengths(cache, like) -> None:
+    """Give `cache`'s sliding-window layers the token count of `like`'s (DynamicSlidingWindowLayer counts tokens
+    seen, `cumulative_length`, apart from the sliding_window - 1 it holds: appending what another cache holds
+    counts only those). Other layers count what they hold."""
+    for layer, model_layer in zip(cache.layers, like.layers):
+        if hasattr(layer, "cumulative_length") and hasattr(model_layer, "cumulative_length"):
+            layer.cumulative_length = model_layer.cumulative_length

@@ -99,6 +99,20 @@ def test_logits_and_returned_cache_follow_transformers(model):
         torch.testing.assert_close(got_layer.values, want_layer.values, atol=1e-5, rtol=1e-5)
 
 
+def test_batch_in_chunks_returns_transformers_cache(model):
+    """6 rows with max_batch_size 4 (two chunks) and a returned Cache: its sliding layers count every token seen,
+    as transformers' (a later call continues from get_seq_length())."""
+    inputs = random_prompts(6, vocab_size=512, min_len=5, max_len=12, seed=4)
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    want = model.generate(**inputs, **kwargs)
+    got, stats = patched_generate(model, inputs, kwargs)
+    assert stats.fallback_reason is None and stats.chunks == 2
+    assert torch.equal(got.sequences, want.sequences)
+    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length() == 16
+    for got_layer, want_layer in zip(got.past_key_values.layers, want.past_key_values.layers):
+        torch.testing.assert_close(got_layer.keys, want_layer.keys, atol=1e-5, rtol=1e-5)
+
+
 def test_class_patch_greedy_equals_transformers(model, case):
     inputs, kwargs, want = case
     moegraph.patch(max_batch_size=4)
