@@ -135,8 +135,8 @@ def _group_of(name: str, param: torch.Tensor, linear: bool) -> str:
         return "lm_head"
     if ".self_attn." in name:
         return "attention bias" if name.endswith(".bias") else ("attention" if linear else "norms")
-    if ".experts." in name and param.dim() == 3:
-        return "experts"
+    if ".experts." in name:
+        return "experts" if param.dim() == 3 else "experts bias"  # GPT-OSS's per-expert biases stay 16-bit
     if linear:
         return "dense mlp bias" if name.endswith(".bias") else "dense mlp"  # dense layers, shared experts
     if ".mlp." in name and name.endswith(".weight") and param.dim() == 2:
@@ -160,8 +160,8 @@ def weight_groups(config) -> list[WeightGroup]:
         shapes[group][numel] = shapes[group].get(numel, 0) + matrices
         if group in ("attention", "dense mlp", "experts"):
             tables[group] = tables.get(group, 0) + 1  # a double-quant code table per quantized weight (stack)
-    order = ("embeddings", "attention", "attention bias", "experts", "dense mlp", "dense mlp bias", "routers",
-             "norms", "lm_head")
+    order = ("embeddings", "attention", "attention bias", "experts", "experts bias", "dense mlp", "dense mlp bias",
+             "routers", "norms", "lm_head")
     return [WeightGroup(g, tuple(sorted(shapes[g].items())), g in tables, tables.get(g, 0))
             for g in order if g in shapes]
 

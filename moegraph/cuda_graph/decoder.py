@@ -123,14 +123,16 @@ class _Rows:
 
 class GraphDecoder:
     def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable,
-                 check_positions: Callable | None = None):
+                 check_positions: Callable | None = None, check_prompt: Callable | None = None):
         """decode_step: the model family's one-token forward over the static cache (moegraph.models);
         check_positions(model, positions) -> reason | None: the family's limit on the positions one call may hold
-        (e.g. a sliding window), None: no limit."""
+        (e.g. a sliding window), None: no limit; check_prompt(model, attention_mask, positions) -> reason | None:
+        its limit that also reads the call's attention_mask [rows, cache + input] (or None), None: no limit."""
         self.model = model
         self.options = options
         self.decode_step = decode_step
         self.check_positions = check_positions
+        self.check_prompt = check_prompt
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -287,6 +289,9 @@ class GraphDecoder:
         if reason is None and self.check_positions is not None:
             reason = self.check_positions(self.model, prompt.kv_width + max_new)
             once_key = "positions"
+        if reason is None and self.check_prompt is not None:
+            reason = self.check_prompt(self.model, prompt.model_kwargs.get("attention_mask"), prompt.kv_width + max_new)
+            once_key = "prompt"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
 
@@ -576,6 +581,7 @@ class GraphDecoder:
                    torch.cat([d.cache.layers[i].values[:, :, prompt.past:] for d in done]))
                   for i in range(len(done[0].cache.layers))]
         hf_cache.append_kv(prompt.cache, joined)
+        hf_cache.match_lengths(prompt.cache, done[0].cache)  # every chunk ran to the same length
 
     def eager_step(self, rows: int) -> torch.Tensor:
         """One decode step of the first `rows` rows of the static inputs, not captured (for profiling)."""

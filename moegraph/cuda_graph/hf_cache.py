@@ -77,8 +77,19 @@ def capacity(cache) -> int | None:
 
 
 def layers_kv(cache, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (keys, values) [rows, kv_heads, width, head_dim]: the first `width` positions."""
-    return [(layer.keys[:, :, :width], layer.values[:, :, :width]) for layer in cache.layers]
+    """Per layer (keys, values) [rows, kv_heads, width, head_dim]: the first `width` positions.
+
+    A sliding-window layer (DynamicSlidingWindowLayer, e.g. GPT-OSS's) keeps only the last sliding_window - 1
+    positions: those come last, zeros in front of them. No query of that layer sees the zeros: they lie past its
+    window for every row whose padding is on the left (a family that slides checks the padding, check_prompt)."""
+    out = []
+    for layer in cache.layers:
+        keys, values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        missing = width - keys.shape[2]
+        if missing > 0 and getattr(layer, "is_sliding", False):
+            keys, values = (torch.nn.functional.pad(t, (0, 0, missing, 0)) for t in (keys, values))
+        out.append((keys, values))
+    return out
 
 
 def seeded_cache(config, cache, rows: slice, width: int):
@@ -98,3 +109,12 @@ def append_kv(cache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         return
     for layer_idx, (keys, values) in enumerate(layers):
         cache.update(keys, values, layer_idx)
+
+
+def match_lengths(cache, like) -> None:
+    """Give `cache`'s sliding-window layers the token count of `like`'s (DynamicSlidingWindowLayer counts tokens
+    seen, `cumulative_length`, apart from the sliding_window - 1 it holds: appending what another cache holds
+    counts only those). Other layers count what they hold."""
+    for layer, model_layer in zip(cache.layers, like.layers):
+        if hasattr(layer, "cumulative_length") and hasattr(model_layer, "cumulative_length"):
+            layer.cumulative_length = model_layer.cumulative_length

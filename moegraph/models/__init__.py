@@ -1,11 +1,12 @@
 """Model families moegraph accelerates, keyed by `config.model_type`; each family owns its model code.
 
 A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`, `olmoe.py`,
-`qwen2_moe.py`, `glm4_moe.py`, `qwen3_vl_moe.py`) holding its decode step: the whole one-token forward over the
+`qwen2_moe.py`, `glm4_moe.py`, `qwen3_vl_moe.py`, `gpt_oss.py`) holding its decode step: the whole one-token forward over the
 static cache that the graph decoder captures (attention variant, norm placement, router, experts), built from the shared ops of moegraph.ops, and optionally
 `check_positions(model, positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding
-window). The graph decoder (cuda_graph/) is handed a family's decode step and position check and knows nothing of
-any model.
+window), and optionally `check_prompt(model, attention_mask, positions) -> reason | None`, a limit that depends on
+the call's attention_mask too (GPT-OSS: where the padding sits, once a sliding window could be outgrown). The graph
+decoder (cuda_graph/) is handed a family's decode step and checks and knows nothing of any model.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class ModelFamily:
     def position_check(self):
         """`check_positions(model, positions) -> reason | None` of the family's module, or None (any length)."""
         return getattr(importlib.import_module(self.decode_module), "check_positions", None)
+
+    def prompt_check(self):
+        """`check_prompt(model, attention_mask, positions) -> reason | None` of the family's module, or None."""
+        return getattr(importlib.import_module(self.decode_module), "check_prompt", None)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -101,6 +106,15 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_class="Qwen3VLMoePreTrainedModel",
         decode_module="moegraph.models.qwen3_vl_moe",
         models="Qwen3-VL-MoE: Qwen3-VL-30B-A3B (text-only calls; images and videos go to transformers)",
+    ),
+    "gpt_oss": ModelFamily(
+        model_type="gpt_oss",
+        modeling_module="transformers.models.gpt_oss.modeling_gpt_oss",
+        sparse_block_class="GptOssMLP",
+        causal_lm_class="GptOssForCausalLM",
+        pretrained_class="GptOssPreTrainedModel",
+        decode_module="moegraph.models.gpt_oss",
+        models="GPT-OSS: gpt-oss-20b, gpt-oss-120b (MXFP4 checkpoints dequantized to bf16 at load)",
     ),
 }
 

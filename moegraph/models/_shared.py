@@ -18,11 +18,21 @@ if TYPE_CHECKING:
 Attention = Callable[..., torch.Tensor]
 # (MLP module, hidden [b, H], ops) -> [b, H]
 Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
+# (norm module, residual [b, H], x [b, H] or None, ops) -> (residual + x, norm(residual + x)); x None: no add
+AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def add_rms_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None, ops):
+    """The fused add + RMSNorm op (Qwen's rounding: normalized in float32, rounded, times the weight)."""
+    if x is None:
+        return residual, ops.rms_norm(residual, norm.weight, norm.variance_epsilon)
+    return ops.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
 
 
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                            ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp,
-                           text_model: nn.Module | None = None, rope_components: int = 1) -> torch.Tensor:
+                           text_model: nn.Module | None = None, rope_components: int = 1,
+                           add_norm: AddNorm = add_rms_norm) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
 
     text_model: the decoder stack (layers, embed_tokens, norm, rotary_emb), where it is not `model.model` (e.g.
@@ -32,6 +42,7 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
 
     rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers counts a
     right-padded or custom-positioned row differently from its compact index); None: the same.
+    add_norm: the residual add and the norm after it (default: the fused op; GPT-OSS rounds its norm otherwise).
     Per layer: add+RMSNorm, attention, add+RMSNorm, MLP; the residual adds are fused into the next norm."""
     inner = model.model if text_model is None else text_model
     layers = inner.layers
@@ -40,16 +51,14 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     position_ids = rope_positions[:, None] if rope_components == 1 else rope_positions[None, :, None].expand(
         rope_components, -1, -1)
     cos, sin = inner.rotary_emb(residual[:, None], position_ids)  # [b, 1, D]
-    first_norm = layers[0].input_layernorm
-    hidden = ops.rms_norm(residual, first_norm.weight, first_norm.variance_epsilon)
+    residual, hidden = add_norm(layers[0].input_layernorm, residual, None, ops)
     for layer_idx, layer in enumerate(layers):
         attn_out = attention(layer.self_attn, hidden, cos, sin, positions, cache.keys[layer_idx],
                              cache.values[layer_idx], ops)
-        post = layer.post_attention_layernorm
-        residual, hidden = ops.add_rms_norm(residual, attn_out, post.weight, post.variance_epsilon)
+        residual, hidden = add_norm(layer.post_attention_layernorm, residual, attn_out, ops)
         mlp_out = mlp(layer.mlp, hidden, ops)
         norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
-        residual, hidden = ops.add_rms_norm(residual, mlp_out, norm.weight, norm.variance_epsilon)
+        residual, hidden = add_norm(norm, residual, mlp_out, ops)
     return ops.linear(model.lm_head, hidden).float()
 
 

@@ -2,6 +2,9 @@
 
 Shapes: hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H],
 down_proj [E, H, I]; returns [T, H] in the dtype of hidden.
+Experts in another of transformers' layouts (`own_layout`: GPT-OSS's transposed gate_up_proj [E, H, 2I] and
+down_proj [E, I, H], per-expert biases, interleaved gate/up columns and a clamped SwiGLU) run the same grouping
+with their biases added per slot and the module's own `_apply_gate` (layout_grouped_experts).
 
 Capture-safe: every shape depends on T and K only. Pairs are grouped by expert on the device:
 a stable sort plus `scatter_add_` counts (never `bincount`/`nonzero`/`.item()`), or in the decode
@@ -79,6 +82,8 @@ def moe_experts_grouped_mm(
 ) -> torch.Tensor:
     """ops: where moe_align / silu_mul / moe_combine come from (moegraph's Triton kernels in the
     decode step); default: their plain-torch references, fine for any token count."""
+    if own_layout(experts):
+        return layout_grouped_experts(hidden, top_k_index, top_k_weights, experts, ops=ops)
     return grouped_experts(hidden, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
                            experts.act_fn, swiglu=getattr(getattr(experts, "config", None), "hidden_act", None) == "silu",
                            ops=ops)
@@ -100,4 +105,39 @@ def grouped_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
         gate, up = gate_up.chunk(2, dim=-1)
         act = act_fn(gate) * up
     down = gemm(act, down_proj.transpose(-2, -1), offs=offsets)  # [T*K, H]
+    return ops.moe_combine(down, position, top_k_weights, hidden.dtype)
+
+
+def own_layout(experts: nn.Module) -> bool:
+    """Whether the experts differ from Qwen3-MoE's `[gate; up]` rows of gate_up_proj [E, 2I, H] without biases and
+    act_fn(gate) * up, as transformers' `@use_experts_implementation` flags say (is_transposed, has_bias,
+    is_concatenated) or a class with a `_apply_gate` of its own (GPT-OSS: all four)."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    return bool(getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False)
+                or not getattr(experts, "is_concatenated", True)
+                or (gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate"))
+
+
+def layout_grouped_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                           experts: nn.Module, ops=None) -> torch.Tensor:
+    """transformers' grouped_mm_experts_forward for experts in their own layout (own_layout), capture-safe: the
+    pairs grouped by moe_align, each slot's expert found by a scatter (no sort of its own, no host sync), the bias of
+    that expert added to its rows, the gate the module's `_apply_gate` (GPT-OSS: clamp, sigmoid, (up + 1) * glu on
+    interleaved columns: elementwise, fixed shapes)."""
+    ops = ops or _REFERENCE_OPS
+    gemm = grouped_mm_op if torch.compiler.is_compiling() else _grouped_mm
+    gate_up_proj, down_proj = experts.gate_up_proj, experts.down_proj
+    if not getattr(experts, "is_transposed", False):  # grouped_mm takes [E, in, out]
+        gate_up_proj, down_proj = gate_up_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
+    flat = top_k_index.reshape(-1)  # [T*K]
+    token_of_slot, position, offsets = ops.moe_align(top_k_index, gate_up_proj.shape[0])  # [T*K], [T*K], [E]
+    pairs = hidden.index_select(0, token_of_slot).to(gate_up_proj.dtype)  # [T*K, H], grouped by expert
+    gate_up = gemm(pairs, gate_up_proj, offs=offsets)  # [T*K, 2I]
+    has_bias = getattr(experts, "has_bias", False)
+    expert_of_slot = torch.empty_like(flat).scatter_(0, position, flat) if has_bias else None  # [T*K]
+    if has_bias:
+        gate_up = gate_up + experts.gate_up_proj_bias.index_select(0, expert_of_slot)
+    down = gemm(experts._apply_gate(gate_up), down_proj, offs=offsets)  # [T*K, H]
+    if has_bias:
+        down = down + experts.down_proj_bias.index_select(0, expert_of_slot)
     return ops.moe_combine(down, position, top_k_weights, hidden.dtype)

@@ -1,13 +1,13 @@
-"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GLM-4-MoE, Qwen3-VL-MoE) built from named
-configs, for tests and benchmarks.
+"""Random-weight MoE models (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GLM-4-MoE, Qwen3-VL-MoE, GPT-OSS) built from
+named configs, for tests and benchmarks.
 
 No downloads: weights come from the model's own initializer under a fixed seed, created directly
 on the target device in the target dtype (a 60 GB model never passes through CPU memory).
 The router weights are random too: zero router weights would send every token to the same
 experts and make a benchmark read far fewer expert bytes than a real model does. So are the
-projection biases (Qwen2-MoE's and GLM-4-MoE's q/k/v) and GLM-4-MoE's router correction bias
-(`e_score_correction_bias`), which transformers initializes to zero: a decode step that dropped them would
-otherwise give the same tokens.
+projection biases (Qwen2-MoE's and GLM-4-MoE's q/k/v, GPT-OSS's q/k/v/o), GPT-OSS's expert biases and GLM-4-MoE's
+router correction bias (`e_score_correction_bias`), which transformers initializes to zero: a decode step that dropped
+them would otherwise give the same tokens. GPT-OSS's attention sinks are drawn wide enough to matter too.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from ..errors import InvalidArgumentError
 _CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
             "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
             "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
-            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
+            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+            "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 # preset name -> model_type, where it is not qwen3_moe
 MODEL_TYPES: dict[str, str] = {"tiny-mixtral": "mixtral", "mixtral-8x7b": "mixtral", "tiny-olmoe": "olmoe",
                                "olmoe-1b-7b": "olmoe", "tiny-qwen2-moe": "qwen2_moe",
                                "qwen1.5-moe-a2.7b": "qwen2_moe", "qwen2-57b-a14b": "qwen2_moe",
                                "tiny-glm4-moe": "glm4_moe", "glm4.5-air": "glm4_moe",
-                               "tiny-qwen3-vl-moe": "qwen3_vl_moe", "qwen3-vl-30b-a3b": "qwen3_vl_moe"}
+                               "tiny-qwen3-vl-moe": "qwen3_vl_moe", "qwen3-vl-30b-a3b": "qwen3_vl_moe",
+                               "tiny-gpt-oss": "gpt_oss", "gpt-oss-20b": "gpt_oss"}
 
 # name -> keyword arguments of its model type's config class
 CONFIGS: dict[str, dict] = {
@@ -366,6 +368,55 @@ CONFIGS: dict[str, dict] = {
         vision_end_token_id=151653,
         tie_word_embeddings=False,
     ),
+    # CPU tests of the GPT-OSS family: q/k/v/o biases, attention sinks, layers alternating sliding (window 6, shorter
+    # than the tests' longer prompts) and full attention (layer_types derived from num_hidden_layers), a biased
+    # top-3 router, experts with biases and the clamped SwiGLU (limit 7, alpha 1.702: the config's defaults), YaRN
+    # RoPE as the checkpoints use it (x32, over 1024 / 32 positions: transformers checks that ratio).
+    "tiny-gpt-oss": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,  # per expert
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        sliding_window=6,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+        attention_bias=True,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    # The real gpt-oss-20b shapes (21B parameters, 3.6B active; config.json of the Hub checkpoint): 24 layers
+    # alternating sliding (128) and full attention, GQA 64 / 8 heads of 64, 32 experts of 2880, top-4, vocab
+    # 201088, YaRN x32 over 4096 positions; eos <|return|>, pad <|endoftext|>. In bf16 (what the MXFP4 checkpoint
+    # dequantizes to) about 42 GB. gpt-oss-120b: 36 layers, 128 experts, otherwise the same.
+    "gpt-oss-20b": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=200002,
+        pad_token_id=199999,
+    ),
 }
 
 
@@ -448,15 +499,23 @@ def build_model(
 
 @torch.no_grad()
 def _randomize_biases(module: torch.nn.Module, std: float) -> None:
-    """Every nn.Linear bias drawn like the weights, and every router correction bias (GLM-4-MoE's
-    `e_score_correction_bias`) 5x wider, as wide as the spread of the sigmoid scores of random router weights, so
-    that it changes which experts are picked and the tokens (transformers' _init_weights zeroes them all)."""
+    """Every nn.Linear bias and every expert bias (GPT-OSS) drawn like the weights, every router correction bias
+    (GLM-4-MoE's `e_score_correction_bias`) 5x wider, as wide as the spread of the sigmoid scores of random router
+    weights, so that it changes which experts are picked and the tokens (transformers' _init_weights zeroes them
+    all), and GPT-OSS's attention sinks with std 1 (transformers' 0.02 would make them near-zero logits)."""
     for sub in module.modules():
         if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
             sub.bias.normal_(0.0, std)
         correction = getattr(sub, "e_score_correction_bias", None)
         if isinstance(correction, torch.Tensor):
             correction.normal_(0.0, 5 * std)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):  # GPT-OSS's experts
+            bias = sub._parameters.get(name)
+            if bias is not None:
+                bias.normal_(0.0, std)
+        sinks = sub._parameters.get("sinks")  # GPT-OSS's attention sinks, near the scores' own scale
+        if sinks is not None:
+            sinks.normal_(0.0, 1.0)
 
 
 def _build_nf4(model_class, config, device, dtype, double_quant: bool):

@@ -39,11 +39,19 @@ def _generate(model, inputs, **options):
     return out, stats
 
 
+def _past_the_window(config) -> int:
+    """Prompt tokens to add so that sliding-window layers (GPT-OSS's, by `layer_types`) slide: the window, else 0."""
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return 0
+    return config.sliding_window or 0
+
+
 def test_graph_replay_equals_eager_and_follows_transformers(model):
+    config = model.config.get_text_config()  # Qwen3-VL-MoE nests the decoder's fields in text_config
+    extra = _past_the_window(config)
     for batch_size in (1, 5, 8):
-        vocab_size = model.config.get_text_config().vocab_size  # Qwen3-VL-MoE nests it in text_config
-        inputs = random_prompts(batch_size, vocab_size=vocab_size, min_len=16, max_len=64, seed=batch_size,
-                                device="cuda")
+        inputs = random_prompts(batch_size, vocab_size=config.vocab_size, min_len=16 + extra, max_len=64 + extra,
+                                seed=batch_size, device="cuda")
         graph_out, graph_stats = _generate(model, inputs)
         eager_out, eager_stats = _generate(model, inputs, cuda_graphs=False)
         assert graph_stats.fallback_reason is None and graph_stats.graphs and not eager_stats.graphs
