@@ -237,7 +237,7 @@ def main(argv=None) -> int:
           f"set {args.set}, out {out}, deadline {deadline_s:.0f} s", flush=True)
     failed = 0
     for name, values in plans.items():
-        if deadline - time.perf_counter() < 30:
+        if deadline - time.perf_counter() < 10:
             print(f"{name}: not run, the deadline is near; {out / (name + '.ipynb')} left as it was", flush=True)
             failed += 1
             continue
