@@ -1,18 +1,22 @@
-"""Every notebook in notebooks/ runs top to bottom on the CPU with the tiny random checkpoint and no network.
+"""Every notebook in notebooks/ runs top to bottom on the CPU with a tiny random model and no network, and a
+notebook stored with outputs says where they came from.
 
-The notebooks' parameter cell (tagged "parameters") names the real Hub model; as papermill does, a cell injected
-after it sets the CI values: a local checkpoint from moegraph.testing.save_tiny_checkpoint, float32, few tokens.
-Any cell error fails the test, with the cell's traceback.
+The runs go through tools/run_notebooks.py (as the GPU runs do) with its "ci" set: the notebooks' parameter cell
+(tagged "parameters") names the real Hub model; as papermill does, a cell injected after it sets the CI values:
+the "tiny" moegraph.testing preset (random weights built in the kernel; four_bit saves them as a checkpoint and
+loads it back in 4-bit), float32, few tokens. quickstart and benchmark also run on a checkpoint folder from
+moegraph.testing.save_tiny_checkpoint, the path a Hub name takes. Any cell error fails the test, with the cell's
+traceback.
 """
 
+import importlib.util
 import os
 import pathlib
-import time
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
@@ -20,18 +24,64 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 CELL_TIMEOUT_S = 300
 
-# CI values per notebook, injected after its parameter cell
-SMALL = dict(DTYPE="float32", MAX_NEW_TOKENS=4, BATCH_SIZE=2, TIMED_RUNS=1)
-PARAMETERS = {
-    "quickstart.ipynb": SMALL,
-    "four_bit.ipynb": SMALL,
-    "benchmark.ipynb": dict(DTYPE="float32", NUM_LAYERS=1, BATCH_SIZES=[1, 2], BACKENDS=["hf", "moegraph"],
-                            NEW_TOKENS=4, RUNS=1, PROMPT_LENGTHS=(4, 8)),
-}
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "tools" / "run_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_every_notebook_has_ci_parameters():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(PARAMETERS)
+runner = load_runner()
+CI = runner.SETS["ci"]
+
+
+def test_every_notebook_has_ci_and_h200_parameters():
+    names = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+    assert names == sorted(runner.ORDER) == sorted(CI) == sorted(runner.SETS["h200"])
+    for name in names:
+        defined = runner.parameter_names(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4))
+        for set_name, values in runner.SETS.items():
+            assert set(values[name]) <= defined, (set_name, name, set(values[name]) - defined)
+
+
+def check_stored_outputs(notebook, name):
+    """A notebook stored with outputs carries the record of a tools/run_notebooks.py run on a GPU that ended well."""
+    if not any(c.get("outputs") for c in notebook.cells if c.cell_type == "code"):
+        return  # stored without outputs
+    run = notebook.metadata.get("moegraph_run")
+    assert run, f"{name}.ipynb has outputs but no metadata.moegraph_run: run tools/run_notebooks.py, or clear them"
+    assert run["device"] != "cpu" and run["set"] != "ci", f"{name}.ipynb: outputs of a CPU / CI run ({run['device']})"
+    assert run["status"] == "ok", f"{name}.ipynb: the stored run did not finish: {run['status'][:500]}"
+    for key in ("date", "torch", "transformers", "moegraph", "parameters", "wall_s"):
+        assert run.get(key) is not None, f"{name}.ipynb: moegraph_run lacks {key}"
+    injected = [c for c in notebook.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == (1 if run["parameters"] else 0)
+
+
+@pytest.mark.parametrize("name", sorted(CI))
+def test_stored_outputs_come_from_a_gpu_run(name):
+    check_stored_outputs(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name)
+
+
+def test_stored_outputs_check_rejects_a_cpu_run_and_takes_a_gpu_run():
+    notebook = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    check_stored_outputs(notebook, "quickstart")  # no outputs: nothing to check
+    code = next(c for c in notebook.cells if c.cell_type == "code")
+    code.outputs = [nbformat.v4.new_output("stream", text="hello")]
+    with pytest.raises(AssertionError, match="no metadata.moegraph_run"):
+        check_stored_outputs(notebook, "quickstart")
+    runner.inject_parameters(notebook, {"MODEL": "qwen3-30b-a3b"}, "a test")
+    run = dict(device="cpu", set="ci", status="ok", date="2026-12-04T06:00:00+00:00", torch="2.11.0",
+               transformers="5.25.0", moegraph="0.1.0", parameters={"MODEL": "qwen3-30b-a3b"}, wall_s=60.0)
+    notebook.metadata["moegraph_run"] = run
+    with pytest.raises(AssertionError, match="CPU / CI run"):
+        check_stored_outputs(notebook, "quickstart")
+    notebook.metadata["moegraph_run"] = dict(run, device="NVIDIA H200", set="h200", status="failed in cell 9: ...")
+    with pytest.raises(AssertionError, match="did not finish"):
+        check_stored_outputs(notebook, "quickstart")
+    notebook.metadata["moegraph_run"] = dict(run, device="NVIDIA H200", set="h200")
+    check_stored_outputs(notebook, "quickstart")
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +101,33 @@ def offline_kernel_env(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU decode path needs no Triton
 
 
-def inject_parameters(notebook, values: dict):
-    """Insert a cell setting `values` after the cell tagged "parameters", as papermill does."""
-    tagged = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
-    assert len(tagged) == 1, f"expected one cell tagged 'parameters', found {len(tagged)}"
-    source = "# CI parameters (injected by tests/test_notebooks.py)\n" + "\n".join(
-        f"{name} = {value!r}" for name, value in values.items())
-    cell = nbformat.v4.new_code_cell(source)
-    cell.metadata["tags"] = ["injected-parameters"]
-    notebook.cells.insert(tagged[0] + 1, cell)
+def run(name, values, tmp_path):
+    record = runner.run_notebook(NOTEBOOKS / f"{name}.ipynb", tmp_path / f"{name}.ipynb", values,
+                                 origin="tests/test_notebooks.py", run_info={"device": "cpu", "set": "ci"},
+                                 cell_timeout_s=CELL_TIMEOUT_S)
+    print(f"{name}: {record['wall_s']:.1f} s")
+    assert record["status"] == "ok", record["status"]
+    executed = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
+    assert executed.metadata["moegraph_run"]["status"] == "ok"
+    assert all(c.execution_count for c in executed.cells if c.cell_type == "code")
+    return executed
 
 
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
-def test_notebook_runs_top_to_bottom(name, checkpoint, offline_kernel_env):
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code"), (
-        f"{name} is stored with outputs; clear them")
-    inject_parameters(notebook, {"MODEL": str(checkpoint), **PARAMETERS[name]})
-    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    start = time.perf_counter()
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
-    print(f"{name}: {time.perf_counter() - start:.1f} s")
+@pytest.mark.parametrize("name", sorted(CI))
+def test_notebook_runs_top_to_bottom_on_a_preset(name, offline_kernel_env, tmp_path):
+    run(name, CI[name], tmp_path)
+
+
+@pytest.mark.parametrize("name", ["benchmark", "quickstart"])
+def test_notebook_runs_top_to_bottom_on_a_checkpoint(name, checkpoint, offline_kernel_env, tmp_path):
+    run(name, dict(CI[name], MODEL=str(checkpoint)), tmp_path)  # benchmark: NUM_LAYERS cuts the folder's config
+
+
+def test_injected_cell_replaces_an_earlier_one():
+    notebook = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    runner.inject_parameters(notebook, {"MODEL": "a"}, "first")
+    runner.inject_parameters(notebook, {"MODEL": "b"}, "second")
+    injected = [c for c in notebook.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == 1 and "MODEL = 'b'" in injected[0].source
+    index = runner.parameters_index(notebook)
+    assert notebook.cells[index + 1] is injected[0]
