@@ -133,6 +133,10 @@ def _gemv_state(module: nn.Module, x: torch.Tensor):
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     if state is None or state.quant_type != "nf4" or state.blocksize != 64 or x.shape[0] > MAX_GEMV_ROWS:
         return None
+    # bitsandbytes (>= 0.49) repacks a Linear4bit in place on its first CPU forward where the CPU has AVX512-BF16:
+    # another byte order and bf16 absmax. Only its own forward reads that layout.
+    if getattr(state, "packing_format_for_cpu", False):
+        return None
     return state
 
 

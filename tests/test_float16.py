@@ -5,6 +5,26 @@ import torch
 import moegraph
 from moegraph.testing import build_model, random_prompts
 
+# transformers' top-2 logits at a step where the greedy tokens part: within float16 rounding of a tie (the logits of
+# the tiny model are ~0.5, where one float16 ulp is 2**-12)
+NEAR_TIE = 2e-3
+
+
+def _aligned_steps(got, want, prompt_len):
+    """Per row, the number of new tokens moegraph and transformers share before they first differ; each difference
+    must be at a near-tie of transformers' own logits (its argmax decided by rounding)."""
+    aligned = []
+    for row in range(want.sequences.shape[0]):
+        differ = (got.sequences[row, prompt_len:] != want.sequences[row, prompt_len:]).nonzero()
+        if differ.numel() == 0:
+            aligned.append(len(want.logits))
+            continue
+        step = int(differ[0, 0])
+        top2 = want.logits[step][row].float().topk(2).values
+        assert float(top2[0] - top2[1]) <= NEAR_TIE, f"row {row} differs at new token {step}, not at a near-tie"
+        aligned.append(step)
+    return aligned
+
 
 def test_float16_tokens_and_logits_follow_transformers():
     model = build_model("tiny", seed=11, dtype=torch.float16)
@@ -19,6 +39,9 @@ def test_float16_tokens_and_logits_follow_transformers():
         moegraph.unpatch(model)
     assert stats.fallback_reason is None and stats.steps == 16  # moegraph's loop ran, in float16
     assert got.logits[0].dtype == want.logits[0].dtype
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):  # float16 roundings in another order: close, not equal
-        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 5e-3
+    aligned = _aligned_steps(got, want, inputs["input_ids"].shape[1])
+    assert sum(aligned) >= 0.75 * 4 * 16, aligned  # near-ties are rare: most tokens agree
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):  # float16 roundings in another order: close
+        rows = [row for row, n in enumerate(aligned) if step <= n]  # same prefix so far
+        a, b = a[rows].float(), b[rows].float()
+        assert ((a - b).norm() / b.norm()).item() < 5e-3

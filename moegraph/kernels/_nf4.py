@@ -70,6 +70,10 @@ class NF4Tensors(NamedTuple):
         if quant_state.quant_type != "nf4" or quant_state.blocksize != QUANT_BLOCK:
             raise InvalidArgumentError(f"NF4Tensors.from_bnb: need quant_type 'nf4' with blocksize {QUANT_BLOCK}, got "
                                        f"{quant_state.quant_type!r} / {quant_state.blocksize}")
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            raise InvalidArgumentError("NF4Tensors.from_bnb: this weight is in bitsandbytes' CPU-only packed layout "
+                                       "(repacked by a Linear4bit forward on an AVX512-BF16 CPU); move the module to "
+                                       "CUDA (`.cuda()` unpacks it) or run it through its own forward")
         shape = tuple(quant_state.shape)
         if not quant_state.nested:
             return cls(data, quant_state.absmax, shape)

@@ -65,3 +65,34 @@ def test_nf4_qkv_in_one_launch_equals_the_three_linear4bit_forwards(model, monke
     assert launches == [1]
     for g, module in zip(got, (attn.q_proj, attn.k_proj, attn.v_proj)):
         torch.testing.assert_close(g, module(x), atol=1e-4, rtol=1e-4)
+
+
+def test_linear4bit_repacked_for_the_cpu_goes_through_its_own_forward():
+    """bitsandbytes repacks a Linear4bit in place on its first CPU forward on AVX512-BF16 CPUs (another byte order,
+    bf16 absmax; the test suite switches that off, see conftest.py). moegraph's NF4 GEMV must not read that layout:
+    the op table hands such a module to its own forward, and NF4Tensors.from_bnb refuses it."""
+    from bitsandbytes import functional as bnb_functional
+
+    from moegraph import InvalidArgumentError
+    from moegraph.kernels import triton_available
+    from moegraph.kernels.nf4_gemv import NF4Tensors
+
+    if not hasattr(bnb_functional, "_convert_weight_packed_for_cpu"):
+        pytest.skip("this bitsandbytes has no CPU repacking")
+    if not triton_available(torch.empty(0)):
+        pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    model = build_model("tiny", seed=8, quant="nf4", num_layers=1)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    ops = ops_for_model(model, kernels="triton")
+    exact = ops.qkv(attn, x)
+    for module in (attn.q_proj, attn.k_proj, attn.v_proj):
+        weight = module.weight
+        weight.data, weight.quant_state = bnb_functional._convert_weight_packed_for_cpu(weight.data,
+                                                                                          weight.quant_state)
+    repacked = ops.qkv(attn, x)
+    for got, module, before in zip(repacked, (attn.q_proj, attn.k_proj, attn.v_proj), exact):
+        assert torch.equal(got, module(x))  # bitsandbytes' own forward, on its own layout
+        torch.testing.assert_close(got, before, atol=0.05, rtol=0.05)  # absmax in bf16: close, not equal
+    with pytest.raises(InvalidArgumentError, match="CPU-only packed layout"):
+        NF4Tensors.from_bnb(attn.q_proj.weight.data, attn.q_proj.weight.quant_state)
