@@ -261,9 +261,9 @@ def measure_accuracy(s: Settings, variants: list[Variant]) -> dict:
     torch.set_float32_matmul_precision("highest")  # the reference must be fp32, not TF32
     try:
         reference = build_reference(s)
-        prompts = make_prompts(s, reference.config.vocab_size)
+        prompts = make_prompts(s, reference.config.get_text_config().vocab_size)
         results = [run_variant(reference, v, prompts, s) for v in variants]
-        num_layers = reference.config.num_hidden_layers
+        num_layers = reference.config.get_text_config().num_hidden_layers
         del reference
         release_memory()
     finally:

@@ -156,8 +156,10 @@ def step_bytes(model, batch_size: int, distinct_experts: float, context: float) 
     are stored (bf16, or NF4 codes plus their absmax): `distinct_experts` experts per MoE layer, every other
     weight of the decoder layers once, the lm_head, the embedding rows of the batch, and the KV cache of
     `context` positions per row."""
-    config = model.config
-    inner = model.model
+    from .models import decoder_stack
+
+    config = model.config.get_text_config()  # a vision-language model's decoder config is nested
+    inner = decoder_stack(model)
     parts = dict.fromkeys(("experts", "attention", "other_layer_weights", "lm_head", "embeddings", "kv_cache"), 0.0)
     for layer in inner.layers:
         experts = _experts_module(layer)
@@ -382,7 +384,7 @@ def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: in
     runner = Runner(model, args, time.perf_counter() + total_budget_s)
     prompts = {}
     for batch_size in batch_sizes:
-        prompts[batch_size] = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=min_len,
+        prompts[batch_size] = random_prompts(batch_size, vocab_size=model.config.get_text_config().vocab_size, min_len=min_len,
                                              max_len=max_len, seed=batch_size, device=device)
         distinct = count_distinct_experts(model, prompts[batch_size])
         context = float(prompts[batch_size]["attention_mask"].sum(1).float().mean()) + new_tokens / 2
@@ -412,7 +414,7 @@ class Session:
     def prompts(self, batch_size: int, prompt_len: int | None = None) -> dict:
         """Random prompts: 16-128 tokens per row (left-padded), or exactly `prompt_len` tokens each."""
         low, high = (16, 128) if prompt_len is None else (prompt_len, prompt_len)
-        return random_prompts(batch_size, vocab_size=self.model.config.vocab_size, min_len=low, max_len=high,
+        return random_prompts(batch_size, vocab_size=self.model.config.get_text_config().vocab_size, min_len=low, max_len=high,
                               seed=batch_size, device=self.device)
 
     def distinct_experts(self, batch_size: int) -> float:
@@ -483,7 +485,7 @@ def _start(args) -> Session:
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "moegraph": moegraph.__version__, "model": f"{args.model} (random weights)",
-        "num_layers": model.config.num_hidden_layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
+        "num_layers": model.config.get_text_config().num_hidden_layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "moe_backend": f"{choice.name}: {choice.reason}",
         "command": _command(args),
         "modes": _modes(args), "sample": SAMPLING if args.sample or args.long else None, "cases": [], "roofline": {},

@@ -65,7 +65,7 @@ def _demo(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model("tiny", device=device, dtype=dtype, seed=0)
-    prompts = random_prompts(args.batch_size, vocab_size=model.config.vocab_size, seed=0, device=device)
+    prompts = random_prompts(args.batch_size, vocab_size=model.config.get_text_config().vocab_size, seed=0, device=device)
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id)
     print(f"demo: tiny random Qwen3-MoE on {device} ({dtype}), batch {args.batch_size}, {args.new_tokens} new tokens")
 

@@ -129,6 +129,8 @@ def _meta_model(config):
 
 def _group_of(name: str, param: torch.Tensor, linear: bool) -> str:
     """How moegraph (and bitsandbytes' load_in_4bit) stores a parameter, from where it sits in the model."""
+    if name.startswith(("model.visual.", "visual.")):  # a vision-language model's vision tower (load_in_4bit
+        return "vision" if linear and not name.endswith(".bias") else "vision other"  # quantizes its Linears)
     if "embed_tokens" in name:
         return "embeddings"
     if name.startswith("lm_head"):
@@ -158,10 +160,10 @@ def weight_groups(config) -> list[WeightGroup]:
         matrices, numel = (param.shape[0], param[0].numel()) if group == "experts" else (1, param.numel())
         shapes.setdefault(group, {})
         shapes[group][numel] = shapes[group].get(numel, 0) + matrices
-        if group in ("attention", "dense mlp", "experts"):
+        if group in ("attention", "dense mlp", "experts", "vision"):
             tables[group] = tables.get(group, 0) + 1  # a double-quant code table per quantized weight (stack)
     order = ("embeddings", "attention", "attention bias", "experts", "experts bias", "dense mlp", "dense mlp bias",
-             "routers", "norms", "lm_head")
+             "routers", "norms", "lm_head", "vision", "vision other")
     return [WeightGroup(g, tuple(sorted(shapes[g].items())), g in tables, tables.get(g, 0))
             for g in order if g in shapes]
 
@@ -199,9 +201,10 @@ def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype: torch.dtype = t
     of `seq_len` positions, rounded up to SEQ_ALIGN as the decoder rounds them."""
     from .cuda_graph.static_cache import SEQ_ALIGN, StaticKVCache, round_up
 
-    return StaticKVCache.bytes_for(num_layers=config.num_hidden_layers, rows=batch_size,
-                                   positions=round_up(seq_len, SEQ_ALIGN), kv_heads=config.num_key_value_heads,
-                                   head_dim=_head_dim(config), dtype=dtype, device=torch.device("meta"))
+    text = config.get_text_config()  # a vision-language model's decoder config is nested
+    return StaticKVCache.bytes_for(num_layers=text.num_hidden_layers, rows=batch_size,
+                                   positions=round_up(seq_len, SEQ_ALIGN), kv_heads=text.num_key_value_heads,
+                                   head_dim=_head_dim(text), dtype=dtype, device=torch.device("meta"))
 
 
 # --- the device ---------------------------------------------------------------------------------------------------
@@ -308,7 +311,7 @@ FORMAT_NOTES = {
     "fp32": "every weight in fp32 (the CPU's dtype)",
     "bf16": "every weight in bf16",
     "fp16": "every weight in fp16",
-    "nf4": "experts + attention 4-bit, fp32 absmax per 64; embeddings, lm_head, routers, norms 16-bit",
+    "nf4": "experts + every nn.Linear 4-bit, fp32 absmax per 64; embeddings, lm_head, routers, norms 16-bit",
     "nf4-dq": "as nf4, absmax double-quantized (8-bit, bnb_4bit_use_double_quant=True)",
 }
 

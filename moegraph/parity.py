@@ -45,10 +45,10 @@ def run_parity(args) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(name, device=device, dtype=dtype, num_layers=args.num_layers, seed=0)
     n = args.new_tokens
-    print(f"parity: random-weight {name} ({model.config.num_hidden_layers} layers, {dtype}) on {device}; "
+    print(f"parity: random-weight {name} ({model.config.get_text_config().num_hidden_layers} layers, {dtype}) on {device}; "
           f"fixed token-id prompts of {PROMPT_LENGTHS} tokens, {n} greedy tokens each (no real weights offline)")
     results = []
-    for prompt in _prompts(model.config.vocab_size, device):
+    for prompt in _prompts(model.config.get_text_config().vocab_size, device):
         hf = _greedy(model, prompt, n)
         moegraph.patch(model, cuda_graphs=False)
         eager = _greedy(model, prompt, n)

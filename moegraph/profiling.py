@@ -100,7 +100,7 @@ def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20) -> St
     with profile(activities=[_activity(device)]) as prof:
         decoder.eager_step(batch_size)
         _sync(device)
-    return StepProfile(batch_size, model.config.num_hidden_layers, device.type, _by_name(prof, on_cuda),
+    return StepProfile(batch_size, model.config.get_text_config().num_hidden_layers, device.type, _by_name(prof, on_cuda),
                        _replay_ms(decoder, batch_size, replays) if on_cuda else None)
 
 
@@ -111,7 +111,7 @@ def profile_prefill(model: nn.Module, batch_size: int = 1, prompt_len: int = 128
 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), generator=gen).to(device)
+    ids = torch.randint(3, model.config.get_text_config().vocab_size, (batch_size, prompt_len), generator=gen).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
     def first_token():
@@ -122,7 +122,7 @@ def profile_prefill(model: nn.Module, batch_size: int = 1, prompt_len: int = 128
     times = [_timed(first_token) for _ in range(3)]
     with profile(activities=[_activity(device)]) as prof:
         first_token()
-    return PrefillProfile(batch_size, prompt_len, model.config.num_hidden_layers, device.type,
+    return PrefillProfile(batch_size, prompt_len, model.config.get_text_config().num_hidden_layers, device.type,
                           _by_name(prof, device.type == "cuda"), 1e3 * sorted(times)[1], is_patched(model))
 
 

@@ -5,22 +5,27 @@ import torch
 
 from moegraph.bench import step_bytes
 from moegraph.cli import build_parser
+from moegraph.models import decoder_stack
 from moegraph.testing import build_model
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-mixtral", "tiny-qwen3-vl-moe"])
 def test_step_bytes_counts_the_stored_tensors(name):
+    """The decoder's tensors (a vision-language model's text decoder: its vision tower is not read by a step)."""
     model = build_model(name, dtype=torch.bfloat16)
-    config = model.config
+    config = model.config.get_text_config()
+    inner = decoder_stack(model)
     parts = step_bytes(model, batch_size=2, distinct_experts=3.0, context=10.0)
-    experts = model.model.layers[0].mlp.experts
+    experts = next(layer.mlp.experts for layer in inner.layers if hasattr(layer.mlp, "experts"))
     per_expert = sum(p.numel() for p in experts.parameters()) * 2 / experts.num_experts
-    assert parts["experts"] == pytest.approx(config.num_hidden_layers * 3.0 * per_expert)
+    moe_layers = sum(hasattr(layer.mlp, "experts") for layer in inner.layers)
+    assert parts["experts"] == pytest.approx(moe_layers * 3.0 * per_expert)
     assert parts["lm_head"] == model.lm_head.weight.numel() * 2
-    head_dim = model.model.layers[0].self_attn.head_dim
+    head_dim = inner.layers[0].self_attn.head_dim
     assert parts["kv_cache"] == config.num_hidden_layers * 2 * 10.0 * 2 * config.num_key_value_heads * head_dim * 2
     # every weight is counted once except the experts (3 of them) and the embeddings (2 rows)
-    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters()
+                if ".experts." not in n and "embed_tokens" not in n and ".visual." not in n)
     assert parts["attention"] + parts["other_layer_weights"] + parts["lm_head"] == dense
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
 
@@ -141,3 +146,21 @@ def test_bench_mode_flags_take_their_default_shapes():
     args = build_parser().parse_args(["bench", "--long", "--ttft", "--profile", "prefill"])
     assert (args.long, args.ttft, args.profile, args.prompt_len, args.batch_sizes) == (
         "32,256,1024", "16,512,4096", "prefill", None, None)
+
+
+def test_bench_of_a_vision_language_model_reads_its_text_decoder(tmp_path):
+    """bench --model on Qwen3-VL-MoE's tiny preset: the text decoder's layers, config and roofline."""
+    import json
+
+    from moegraph.cli import main
+
+    argv = ["bench", "--model", "tiny-qwen3-vl-moe", "--new-tokens", "4", "--runs", "1", "--batch-sizes", "2",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("bench_tiny-qwen3-vl-moe_*.json")
+    results = json.loads(path.read_text())
+    text = build_model("tiny-qwen3-vl-moe").config.text_config
+    assert results["num_layers"] == text.num_hidden_layers
+    rows = {row["backend"]: row for row in results["cases"]}
+    for row in rows.values():
+        _assert_measured(row, 4)

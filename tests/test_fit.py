@@ -146,3 +146,18 @@ def test_nf4_size_of_every_family_equals_the_built_model(name, double_quant):
     want = weight_bytes(model.config, "nf4-dq" if double_quant else "nf4")
     assert _tensor_bytes(model) == pytest.approx(want, rel=0.01)
     assert weight_bytes(model.config, "bf16") == 2 * sum(p.numel() for p in build_model(name).parameters())
+
+
+def test_vision_language_model_counts_its_vision_tower_and_caches_its_text_decoder(capsys):
+    """Qwen3-VL-MoE nests its decoder config (text_config): the KV cache follows the text decoder; the vision tower's
+    weights are counted as their own group (loaded, never read by a decode step)."""
+    config = load_config("qwen3-vl-30b-a3b")
+    text = config.get_text_config()
+    groups = {g.name: g.params for g in weight_groups(config)}
+    assert groups["vision"] > 0 and "dense mlp" not in groups  # every decoder layer of it is an MoE layer
+    head_dim = text.head_dim
+    assert kv_cache_bytes(config, 1, 4096) == text.num_hidden_layers * 2 * 4096 * text.num_key_value_heads * head_dim * 2
+    assert main(["info", "--model", "qwen3-vl-30b-a3b", "--device", "L4"]) == 0
+    assert "vision" in capsys.readouterr().out
+    tiny = build_model("tiny-qwen3-vl-moe")
+    assert count_parameters(tiny.config) == sum(p.numel() for p in tiny.parameters())

@@ -119,6 +119,14 @@ FAMILIES: dict[str, ModelFamily] = {
 }
 
 
+def decoder_stack(model):
+    """The module holding the decoder layers (layers, embed_tokens, norm, rotary_emb): `model.model`, or a
+    vision-language model's text decoder, `model.model.language_model` (transformers' name for it, e.g. Qwen3-VL-MoE).
+    Its config is `model.config.get_text_config()`."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
 def family_of(model) -> ModelFamily:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
