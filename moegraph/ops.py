@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from .errors import InvalidArgumentError
-from .kernels import decode_attention, gemv, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul, triton_available
+from .kernels import (decode_attention, gemv, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul,
+                      triton_available, triton_dtype_problem)
 from .moe.select import COMPILED_REASON, expert_function, describe_moe_backend, normalize_device
 
 DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
@@ -180,20 +181,25 @@ def _nf4_gemv_qkv(attn: nn.Module, x: torch.Tensor):
     return tuple(out.to(x.dtype) for out in outs)
 
 
-def _choose_kernels(device: torch.device, head_dim: int, kernels: str) -> tuple[dict, str, str]:
+def _choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    kernels: str) -> tuple[dict, str, str]:
     if kernels not in KERNEL_CHOICES:
         raise InvalidArgumentError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}")
-    probe = torch.empty(0, device=device)
-    pow2 = head_dim & (head_dim - 1) == 0
     if kernels == "torch":
         return _REFERENCE, "torch", "requested: plain-torch references"
+    dtype_problem = triton_dtype_problem(device, dtype)
     if kernels == "triton":
-        if not triton_available(probe):
+        if dtype_problem is not None:
+            raise InvalidArgumentError(f"kernels='triton': {dtype_problem}")
+        if not triton_available(torch.empty(0, device=device)):
             raise InvalidArgumentError(f"kernels='triton' needs Triton on {device.type} (or TRITON_INTERPRET=1)")
         return _FUSED, "triton", "requested: moegraph's Triton kernels"
     if device.type != "cuda":
         return _REFERENCE, "torch", f"plain-torch references on {device.type} (Triton's kernels are for CUDA)"
-    if not triton_available(probe):
+    if dtype_problem is not None:
+        return _REFERENCE, "torch", f"plain-torch references: {dtype_problem}"
+    pow2 = head_dim & (head_dim - 1) == 0
+    if not triton_available(torch.empty(0, device=device)):
         return _REFERENCE, "torch", "Triton is not importable: plain-torch references"
     if not pow2:
         return _REFERENCE, "torch", f"head_dim {head_dim} is not a power of two: plain-torch references"
@@ -205,7 +211,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
                 head_dim: int = 128, kernels: str = "auto") -> OpTable:
     """The op table for one key; cached, so every caller with the same key shares one decision."""
     device = normalize_device(device)
-    small_ops, kernel_name, kernel_why = _choose_kernels(device, head_dim, kernels)
+    small_ops, kernel_name, kernel_why = _choose_kernels(device, dtype, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
     if formats.projections == LINEAR4BIT and kernel_name == "triton":
         linear, linear_name, linear_why = (_nf4_gemv_linear, "triton", "moegraph's NF4 GEMV for Linear4bit weights "

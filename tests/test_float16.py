@@ -1,5 +1,6 @@
 """float16 (GPUs without bf16, e.g. a T4) through moegraph's decode loop on the CPU, against transformers in float16."""
 
+import pytest
 import torch
 
 import moegraph
@@ -45,3 +46,24 @@ def test_float16_tokens_and_logits_follow_transformers():
         rows = [row for row, n in enumerate(aligned) if step <= n]  # same prefix so far
         a, b = a[rows].float(), b[rows].float()
         assert ((a - b).norm() / b.norm()).item() < 5e-3
+
+
+def test_bf16_on_a_gpu_without_bf16_takes_the_torch_ops_and_says_load_float16(monkeypatch):
+    """A T4 (sm_75) has no bf16 for Triton: a bf16 model there gets the plain-torch ops, the MoE probe skips triton,
+    and both reasons say to load the model in float16; float16 (and sm_80+) keep moegraph's kernels."""
+    from moegraph.errors import InvalidArgumentError
+    from moegraph.kernels import triton_dtype_problem
+    from moegraph.moe.select import _usable
+    from moegraph.ops import _choose_kernels
+
+    cuda = torch.device("cuda")
+    assert "float16" in triton_dtype_problem(cuda, torch.bfloat16, capability=(7, 5))
+    assert triton_dtype_problem(cuda, torch.bfloat16, capability=(8, 0)) is None
+    assert triton_dtype_problem(cuda, torch.float16, capability=(7, 5)) is None
+    assert triton_dtype_problem(torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    ops, name, why = _choose_kernels(cuda, torch.bfloat16, 128, "auto")
+    assert name == "torch" and "sm_75" in why and "torch.float16" in why
+    with pytest.raises(InvalidArgumentError, match="sm_75 has no bf16"):
+        _choose_kernels(cuda, torch.bfloat16, 128, "triton")
+    assert "sm_75 has no bf16" in _usable("triton", cuda, torch.bfloat16, "dense")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..kernels import triton_available
+from ..kernels import triton_available, triton_dtype_problem
 from .grouped_mm import grouped_mm_available, moe_experts_grouped_mm
 from .nf4 import moe_experts_nf4_grouped_mm, moe_experts_nf4_ref, moe_experts_nf4_triton
 from .reference import moe_experts_ref
@@ -180,6 +180,8 @@ def _usable(name: str, device: torch.device, dtype: torch.dtype, weight_format: 
         return f"{name} has no implementation for {weight_format} experts"
     if name == "grouped_mm" and not grouped_mm_available():
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if name == "triton" and (problem := triton_dtype_problem(device, dtype)) is not None:
+        return f"triton: {problem}"
     if name == "triton" and not triton_available(torch.empty(0, device=device)):
         return f"moegraph's Triton kernels cannot run on {device.type} here (Triton missing, or no GPU)"
     return _probe_eager(name, device, dtype, weight_format)
