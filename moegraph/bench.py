@@ -282,11 +282,16 @@ class Runner:
         return fit
 
     def _timed_runs(self, case, prompts, tokens: int, runs: int) -> tuple[list, list]:
-        """Seconds of `runs` synchronized generate() calls, and moegraph's decode_stats after each (None for hf)."""
+        """Seconds of `runs` synchronized generate() calls, and after each moegraph's decode_stats, or for plain
+        transformers (which reports no prefill time) the seconds of a 1-token call made right before it (None for a
+        1-token call: that is the prefill)."""
         seconds, stats = [], []
         for _ in range(runs):
+            prefill = None
+            if not case.backend.startswith("moegraph") and tokens > 1:
+                prefill = timed_call(lambda: self._generate(case, prompts, 1))[1]
             seconds.append(timed_call(lambda: self._generate(case, prompts, tokens))[1])
-            stats.append(moegraph.decode_stats(self.model) if case.backend.startswith("moegraph") else None)
+            stats.append(moegraph.decode_stats(self.model) if case.backend.startswith("moegraph") else prefill)
         return seconds, stats
 
     def _measure(self, case, prompts):
@@ -302,16 +307,17 @@ class Runner:
         n = self._fit_tokens(case, prefill, per_step, budget)
         if n is None:
             return
-        totals, stats = self._timed_runs(case, prompts, n, self._fit_runs(case, prefill + per_step * (n - 1), budget))
-        if stats[0] is not None:
+        one_run = prefill * (1 if case.backend.startswith("moegraph") else 2) + per_step * (n - 1)  # hf: + 1-token call
+        totals, stats = self._timed_runs(case, prompts, n, self._fit_runs(case, one_run, budget))
+        if case.backend.startswith("moegraph"):
             prefills = [s.prefill_seconds for s in stats]
             decodes = [s.decode_seconds / max(s.steps - 1, 1) for s in stats]
             case.host_ms_per_step = statistics.median(s.host_ms_per_step for s in stats)
             if stats[-1].fallback_reason:
                 case.notes.append(f"fell back to transformers: {stats[-1].fallback_reason}")
-        else:
-            prefills = [prefill]
-            decodes = [(t - prefill) / (n - 1) for t in totals]
+        else:  # each run against the 1-token call just before it: the same machine state
+            prefills = stats
+            decodes = [(t - p) / (n - 1) for t, p in zip(totals, prefills)]
         case.runs = len(totals)
         case.total_s = statistics.median(totals)
         case.prefill_ms = 1e3 * statistics.median(prefills)
@@ -330,7 +336,7 @@ class Runner:
         case.runs = len(times)
         case.ttft_ms = 1e3 * statistics.median(times)
         case.min_ms = 1e3 * min(times)
-        if stats[0] is not None:
+        if case.backend.startswith("moegraph"):
             case.prefill_ms = 1e3 * statistics.median(s.prefill_seconds for s in stats)
 
 
