@@ -12,7 +12,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .moe.select import select_moe_backend
-from .patches.api import capture, decode_stats, is_patched, patch, unpatch
+from .patches.api import capture, decode_stats, free_cache, is_patched, patch, unpatch
 from .profiling import PrefillProfile, StepProfile, profile_model, profile_prefill, profile_step
 
 
@@ -45,6 +45,7 @@ __all__ = [
     "capture",
     "decode_stats",
     "fit_report",
+    "free_cache",
     "is_patched",
     "patch",
     "profile_model",

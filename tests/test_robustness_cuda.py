@@ -203,3 +203,23 @@ def test_a_thousand_calls_keep_memory_flat_and_capture_nothing_new(patched):
             memory.append(_allocated())
     assert new_captures == 0 and decoder.graphs_captured == captured
     assert memory == [flat] * len(memory), f"live GPU memory after warm-up {flat}, every 100 calls {memory}"
+
+
+def test_free_cache_and_unpatch_give_the_gpu_memory_back(model):
+    """After a call that grew the cache to max_batch_size rows and 1,024 positions: free_cache() returns live GPU
+    memory to what it was before the patch, and so does unpatch() after the next call; the pool is emptied too."""
+    baseline = _allocated()
+    moegraph.patch(model, max_batch_size=MAX_BATCH)
+    try:
+        want = _generate(model, _prompts(model, MAX_BATCH, seed=3, min_len=900, max_len=1000))
+        assert _allocated() > baseline + StaticKVCache.bytes_for(
+            num_layers=model.config.num_hidden_layers, rows=MAX_BATCH, positions=1024,
+            kv_heads=model.config.num_key_value_heads, head_dim=model.model.layers[0].self_attn.head_dim,
+            dtype=torch.bfloat16, device=torch.device("meta")) // 2
+        moegraph.free_cache(model)
+        assert _allocated() == baseline
+        got = _generate(model, _prompts(model, MAX_BATCH, seed=3, min_len=900, max_len=1000))
+        assert torch.equal(got, want)  # built and captured again: the same tokens
+    finally:
+        moegraph.unpatch(model)
+    assert _allocated() == baseline

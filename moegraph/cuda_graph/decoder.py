@@ -152,13 +152,13 @@ class GraphDecoder:
         self._samplers: dict = {}  # (plan stages, vocab) -> DeviceSampler, dropped with the static cache
 
     # ----- lifecycle -------------------------------------------------------------------------
-    def release(self) -> None:
+    def release(self, what: str = "unpatch()") -> None:
         """Free the static cache and graphs: after the running call if there is one (this thread's: unpatch()
-        from a streamer frees them when that generate() returns; another thread's: waits for it)."""
+        or free_cache() from a streamer frees them when that generate() returns; another thread's: waits for it)."""
         if self._owner == threading.get_ident():
             self._release_when_done = True
             return
-        with self._exclusive("unpatch()"):
+        with self._exclusive(what):
             self._free()
 
     @contextlib.contextmanager

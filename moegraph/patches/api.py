@@ -253,6 +253,16 @@ def capture(model: nn.Module, batch_size: int | None = None, max_length: int | N
     _patched_decoder(model, "capture").capture(batch_size, max_length)
 
 
+def free_cache(model: nn.Module) -> None:
+    """Free a patched model's static KV cache and decode graphs now; the patch stays, and the next generate()
+    allocates and captures again for what it needs. The cache only grows while patched (to the largest batch and
+    length a call needed, or `max_seq_len`): this gives the memory back after a long call without unpatching."""
+    decoder = _patched_decoder(model, "free_cache")
+    decoder.release("free_cache()")
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def decode_stats(model: nn.Module):
     """What the last generate() of a patched model did, over the whole call: graphs or eager, rows, chunks,
     steps, prefill/decode/capture seconds, host ms per step, or why it fell back (reset on every call)."""
