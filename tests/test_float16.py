@@ -67,3 +67,28 @@ def test_bf16_on_a_gpu_without_bf16_takes_the_torch_ops_and_says_load_float16(mo
     with pytest.raises(InvalidArgumentError, match="sm_75 has no bf16"):
         _choose_kernels(cuda, torch.bfloat16, 128, "triton")
     assert "sm_75 has no bf16" in _usable("triton", cuda, torch.bfloat16, "dense")
+
+
+@pytest.mark.parametrize("remove_invalid_values", [False, True])
+def test_float16_overflow_goes_as_in_transformers(remove_invalid_values):
+    """Activations past float16's range: transformers adds no guard for Qwen3-MoE (no clamp), its logits turn NaN
+    and greedy picks what argmax picks; with remove_invalid_values=True its InfNanRemoveLogitsProcessor cleans them.
+    moegraph's loop (on the fast path, the processor included) gives the same tokens and NaN where it has NaN."""
+    model = build_model("tiny", seed=11, dtype=torch.float16)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj.mul_(1e6)  # expert outputs overflow to inf in float16
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=12)
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                  remove_invalid_values=remove_invalid_values)
+    want = model.generate(**inputs, **kwargs)
+    assert torch.isnan(want.logits[0]).any()  # the case is real: transformers overflowed
+    moegraph.patch(model)
+    try:
+        got = model.generate(**inputs, **kwargs)
+        stats = moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+    assert stats.fallback_reason is None
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
