@@ -27,6 +27,7 @@ from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
 from . import hf_cache, sampling, support
+from .family import FamilySteps
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
 from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
 
@@ -67,6 +68,7 @@ class _Prompt:
     """
 
     model_kwargs: dict  # what transformers passes to the prefill (mask, position ids, embeds, logits_to_keep, ...)
+    batch_kwargs: tuple  # the names in model_kwargs whose tensors hold a row per batch row
     cache_name: str  # the cache's keyword in model_kwargs and in the model's forward
     cache: object | None  # the call's transformers Cache (fresh, or the user's); None with use_cache=False
     keep_cache: bool  # the Cache outlives the call (returned, or the user's): generated K/V go into it
@@ -78,10 +80,10 @@ class _Prompt:
     def rows_kwargs(self, rows: slice, batch: int) -> dict:
         """model_kwargs for rows `rows` of a batch of `batch` rows (the batch-shaped tensors sliced)."""
         kwargs = dict(self.model_kwargs)
-        for name in ("attention_mask", "position_ids", "inputs_embeds", "mm_token_type_ids"):
+        for name in self.batch_kwargs:
             value = kwargs.get(name)
             if name == "position_ids" and isinstance(value, torch.Tensor) and value.dim() == 3:
-                if value.shape[1] == batch:  # multimodal RoPE's [components, rows, length]
+                if value.shape[1] == batch:  # several RoPE components: [components, rows, length]
                     kwargs[name] = value[:, rows]
             elif isinstance(value, torch.Tensor) and value.shape[0] == batch:
                 kwargs[name] = value[rows]
@@ -122,17 +124,12 @@ class _Rows:
 
 
 class GraphDecoder:
-    def __init__(self, model: nn.Module, options: PatchOptions, decode_step: Callable,
-                 check_positions: Callable | None = None, check_prompt: Callable | None = None):
-        """decode_step: the model family's one-token forward over the static cache (moegraph.models);
-        check_positions(model, positions) -> reason | None: the family's limit on the positions one call may hold
-        (e.g. a sliding window), None: no limit; check_prompt(model, attention_mask, positions) -> reason | None:
-        its limit that also reads the call's attention_mask [rows, cache + input] (or None), None: no limit."""
+    def __init__(self, model: nn.Module, options: PatchOptions, family: FamilySteps):
+        """family: what the model's family gives the decoder (its decode step and its checks; moegraph.models)."""
         self.model = model
         self.options = options
-        self.decode_step = decode_step
-        self.check_positions = check_positions
-        self.check_prompt = check_prompt
+        self.family = family
+        self.decode_step = family.decode_step
         self.buckets = batch_buckets(options.max_batch_size)
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
@@ -242,7 +239,7 @@ class GraphDecoder:
 
     def _generate(self, hf_generate, args: tuple, kwargs: dict):
         self.stats = DecodeStats()  # whatever this call does (or raises), stats describe this call only
-        reason = support.check_call(self.model, args, kwargs)
+        reason = support.check_call(self.model, args, kwargs, self.family)
         if reason is not None:
             return self._fall_back(reason, hf_generate, args, kwargs)
         streamer = kwargs.get("streamer")
@@ -286,11 +283,12 @@ class GraphDecoder:
                       f"new tokens) with max_seq_len={self.options.max_seq_len} (raise max_seq_len, or leave it "
                       "None to grow the static cache on demand)")
             once_key = "max_seq_len"
-        if reason is None and self.check_positions is not None:
-            reason = self.check_positions(self.model, prompt.kv_width + max_new)
+        if reason is None and self.family.check_positions is not None:
+            reason = self.family.check_positions(self.model, prompt.kv_width + max_new)
             once_key = "positions"
-        if reason is None and self.check_prompt is not None:
-            reason = self.check_prompt(self.model, prompt.model_kwargs.get("attention_mask"), prompt.kv_width + max_new)
+        if reason is None and self.family.check_prompt is not None:
+            reason = self.family.check_prompt(self.model, prompt.model_kwargs.get("attention_mask"),
+                                              prompt.kv_width + max_new)
             once_key = "prompt"
         if reason is not None:
             from transformers.generation.utils import GenerationMixin
@@ -361,8 +359,10 @@ class GraphDecoder:
         if room is not None and kv_width + max_new - 1 > room:
             return f"a static cache of {room} positions for {kv_width + max_new - 1}"
         position_ids = model_kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # multimodal RoPE (Qwen3-VL-MoE)
-            position_ids = support.text_position_ids(position_ids)
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # several RoPE components
+            if self.family.text_position_ids is None:
+                return f"position_ids of shape {tuple(position_ids.shape)} (3-D)"
+            position_ids = self.family.text_position_ids(position_ids)
             if isinstance(position_ids, str):
                 return position_ids
         reason = support.check_prompt(mask, position_ids, rows, kv_width)
@@ -376,6 +376,7 @@ class GraphDecoder:
         user_cache = bool(getattr(cache, "_is_user_defined", False))
         return _Prompt(
             model_kwargs={k: v for k, v in model_kwargs.items() if k not in hf_cache.CACHE_ARGUMENTS},
+            batch_kwargs=("attention_mask", "position_ids", "inputs_embeds", *sorted(self.family.input_kwargs)),
             cache_name=name, cache=cache,
             keep_cache=cache is not None and (bool(generation_config.return_dict_in_generate) or user_cache),
             past=past, next_sequence_length=next_sequence_length, kv_width=kv_width,

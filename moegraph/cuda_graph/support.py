@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..moe.interface import NAME, backend_of, model_experts_implementation
+from .family import FamilySteps
 from .hf_cache import CACHE_ARGUMENTS, unsupported_cache
 
 # generate() parameters that select machinery the fast path does not implement.
@@ -25,11 +26,6 @@ _GENERATE_PARAMETERS = {"inputs", "input_ids", "generation_config", "synced_gpus
 _MODEL_KWARGS = {"attention_mask", "input_ids", "use_cache", "inputs_embeds", "position_ids", "logits_to_keep",
                  *CACHE_ARGUMENTS}
 _CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
-# Image/video inputs of vision-language models (Qwen3-VL-MoE): the fast path decodes text-only calls.
-_MULTIMODAL_KWARGS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs",
-                      "second_per_grid_ts")
-# Per-token modality ids a processor returns with text too (0: text): a call whose ids are all 0 is text-only.
-_TOKEN_TYPE_KWARGS = ("mm_token_type_ids",)
 
 # Processors that are pure functions of (input_ids, scores) for one step; any other goes to HF.
 SUPPORTED_PROCESSORS = {
@@ -42,7 +38,7 @@ SUPPORTED_PROCESSORS = {
 SUPPORTED_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
 
 
-def check_call(model, args: tuple, kwargs: dict) -> str | None:
+def check_call(model, args: tuple, kwargs: dict, family: FamilySteps) -> str | None:
     """Checks on the raw generate() arguments, before transformers prepares anything."""
     if len(args) > 2:
         return "positional arguments past `inputs` and `generation_config`"
@@ -75,10 +71,10 @@ def check_call(model, args: tuple, kwargs: dict) -> str | None:
         return f"a model spread over several devices ({sorted(map(str, devices))})"
     if next(iter(devices)).type not in ("cuda", "cpu"):
         return f"a model on {next(iter(devices)).type}"
-    return _check_generation_config(model, args, kwargs)
+    return _check_generation_config(model, args, kwargs, family)
 
 
-def _check_generation_config(model, args, kwargs) -> str | None:
+def _check_generation_config(model, args, kwargs, family: FamilySteps) -> str | None:
     from transformers.generation.configuration_utils import GenerationMode
 
     generation_config = args[1] if len(args) > 1 else kwargs.get("generation_config")
@@ -95,14 +91,11 @@ def _check_generation_config(model, args, kwargs) -> str | None:
         if getattr(config, flag, False) or model_kwargs.get(flag):
             return flag
     extra = sorted(set(model_kwargs) - _MODEL_KWARGS - set(flags))  # a False flag asks for nothing
-    multimodal = [name for name in extra if name in _MULTIMODAL_KWARGS and model_kwargs[name] is not None]
-    if multimodal:
-        return f"image/video inputs ({', '.join(multimodal)}; the graph decoder runs text-only calls)"
-    for name in _TOKEN_TYPE_KWARGS:
-        if name in extra and (reason := _check_token_types(name, model_kwargs[name])) is not None:
+    family_inputs = {name: model_kwargs[name] for name in extra if name in family.input_kwargs}
+    if family_inputs and family.check_inputs is not None:
+        if (reason := family.check_inputs(model, family_inputs)) is not None:
             return reason
-    extra = [name for name in extra if name not in _TOKEN_TYPE_KWARGS
-             and not (name in _MULTIMODAL_KWARGS and model_kwargs[name] is None)]
+    extra = [name for name in extra if name not in family.input_kwargs]
     if extra:
         return f"model kwargs {extra}"
     for field in ("stop_strings", "max_time", "prefill_chunk_size"):
@@ -150,23 +143,3 @@ def check_prompt(attention_mask, position_ids, rows: int, kv_width: int) -> str 
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, rows)):
         return f"position_ids of shape {tuple(position_ids.shape)} for {rows} rows"
     return None
-
-
-def _check_token_types(name: str, value) -> str | None:
-    """mm_token_type_ids of a text-only call (all 0) are accepted: the prefill gets them, the decode needs none."""
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor):
-        return f"{name} other than a tensor"
-    if bool((value != 0).any()):  # one host sync per call
-        return f"image/video tokens ({name} marks some; the graph decoder runs text-only calls)"
-    return None
-
-
-def text_position_ids(position_ids: torch.Tensor) -> torch.Tensor | str:
-    """The [rows, length] position ids of multimodal RoPE's [components, rows, length] (Qwen3-VL-MoE: text, then
-    T/H/W), or why the decode step cannot reproduce them: it rotates by one position per token, which is exact
-    when every component holds the same position (a text-only call, rope_deltas zero); one host sync per call."""
-    if bool((position_ids != position_ids[:1]).any()):
-        return "multimodal position ids whose components differ (image/video positions or non-zero rope_deltas)"
-    return position_ids[0]

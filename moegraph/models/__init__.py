@@ -2,11 +2,14 @@
 
 A family is one entry here and one module beside this file (`qwen3_moe.py`, `mixtral.py`, `olmoe.py`,
 `qwen2_moe.py`, `glm4_moe.py`, `qwen3_vl_moe.py`, `gpt_oss.py`) holding its decode step: the whole one-token forward over the
-static cache that the graph decoder captures (attention variant, norm placement, router, experts), built from the shared ops of moegraph.ops, and optionally
-`check_positions(model, positions) -> reason | None`, the longest call its step decodes exactly (e.g. a sliding
-window), and optionally `check_prompt(model, attention_mask, positions) -> reason | None`, a limit that depends on
-the call's attention_mask too (GPT-OSS: where the padding sits, once a sliding window could be outgrown). The graph
-decoder (cuda_graph/) is handed a family's decode step and checks and knows nothing of any model.
+static cache that the graph decoder captures (attention variant, norm placement, router, experts), built from the
+shared ops of moegraph.ops, and, where the family needs them, its checks: `check_positions(model, positions)`, the
+longest call its step decodes exactly (e.g. a sliding window); `check_prompt(model, attention_mask, positions)`, a
+limit that depends on the call's attention_mask too (GPT-OSS: where the padding sits, once a sliding window could be
+outgrown); `INPUT_KWARGS` with `check_inputs(model, inputs)`, model kwargs beyond the text ones and when a call
+with them stays on the fast path (Qwen3-VL-MoE: text-only calls); `text_position_ids(position_ids)`, for RoPE with
+several position components. The graph decoder (cuda_graph/) is handed these as one `FamilySteps`
+(`ModelFamily.steps()`) and knows nothing of any model.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from ..cuda_graph.family import FamilySteps
 from ..errors import UnsupportedModelError
 
 
@@ -40,16 +44,17 @@ class ModelFamily:
     def pretrained_model(self) -> type:
         return getattr(self.module(), self.pretrained_class)
 
-    def decode_step(self):
-        return importlib.import_module(self.decode_module).decode_forward
-
-    def position_check(self):
-        """`check_positions(model, positions) -> reason | None` of the family's module, or None (any length)."""
-        return getattr(importlib.import_module(self.decode_module), "check_positions", None)
-
-    def prompt_check(self):
-        """`check_prompt(model, attention_mask, positions) -> reason | None` of the family's module, or None."""
-        return getattr(importlib.import_module(self.decode_module), "check_prompt", None)
+    def steps(self) -> FamilySteps:
+        """What the graph decoder runs and asks of this family: the module's decode_forward and whichever of the
+        optional hooks it defines (check_positions, check_prompt, INPUT_KWARGS with check_inputs,
+        text_position_ids; see moegraph.cuda_graph.family)."""
+        module = importlib.import_module(self.decode_module)
+        return FamilySteps(decode_step=module.decode_forward,
+                           check_positions=getattr(module, "check_positions", None),
+                           check_prompt=getattr(module, "check_prompt", None),
+                           input_kwargs=getattr(module, "INPUT_KWARGS", frozenset()),
+                           check_inputs=getattr(module, "check_inputs", None),
+                           text_position_ids=getattr(module, "text_position_ids", None))
 
 
 FAMILIES: dict[str, ModelFamily] = {

@@ -37,6 +37,39 @@ if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
 
+# The model kwargs of image / video inputs (None in a text-only call): any of them set goes to transformers.
+MULTIMODAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs",
+                     "second_per_grid_ts")
+# Per-token modality ids the processor returns with text too (0: text): a call whose ids are all 0 is text-only.
+TOKEN_TYPES = "mm_token_type_ids"
+INPUT_KWARGS = frozenset((*MULTIMODAL_INPUTS, TOKEN_TYPES))
+
+
+def check_inputs(model: nn.Module, inputs: dict) -> str | None:
+    """Text-only calls only: no image / video input, and modality ids (when given) all text. The prefill gets the
+    modality ids as they are; the decode step needs none."""
+    given = [name for name in MULTIMODAL_INPUTS if inputs.get(name) is not None]
+    if given:
+        return f"image/video inputs ({', '.join(given)}; the graph decoder runs text-only calls)"
+    token_types = inputs.get(TOKEN_TYPES)
+    if token_types is None:
+        return None
+    if not isinstance(token_types, torch.Tensor):
+        return f"{TOKEN_TYPES} other than a tensor"
+    if bool((token_types != 0).any()):  # one host sync per call
+        return f"image/video tokens ({TOKEN_TYPES} marks some; the graph decoder runs text-only calls)"
+    return None
+
+
+def text_position_ids(position_ids: torch.Tensor) -> torch.Tensor | str:
+    """The [rows, length] position ids of multimodal RoPE's [components, rows, length] (text, then T/H/W), or why
+    the decode step cannot reproduce them: it rotates by one position per token, which is exact when every
+    component holds the same position (a text-only call, rope_deltas zero); one host sync per call."""
+    if bool((position_ids != position_ids[:1]).any()):
+        return "multimodal position ids whose components differ (image/video positions or non-zero rope_deltas)"
+    return position_ids[0]
+
+
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                    ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward over model.model.language_model):

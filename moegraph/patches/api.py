@@ -125,8 +125,7 @@ def _decoder_for(model: nn.Module):
             from ..cuda_graph.decoder import GraphDecoder
 
             family = family_of(model)
-            state.decoder = GraphDecoder(model, state.options, family.decode_step(), family.position_check(),
-                                         family.prompt_check())
+            state.decoder = GraphDecoder(model, state.options, family.steps())
         return state.decoder
 
 

@@ -13,8 +13,8 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
 import moegraph
 import moegraph.moe.interface
-from moegraph.cuda_graph import support
 from moegraph.kernels import router_topk
+from moegraph.models import qwen3_vl_moe
 from moegraph.testing import build_model, make_config
 
 from _cases import eos_mid_batch_case, patched_generate
@@ -172,13 +172,15 @@ def test_image_call_falls_back_with_one_log_line(model, case, caplog):
 
 def test_image_tokens_without_pixels_fall_back(model):
     """Image tokens marked in mm_token_type_ids (features passed another way) leave the fast path too."""
-    assert support._check_token_types("mm_token_type_ids", torch.zeros(2, 3, dtype=torch.long)) is None
-    assert "image/video tokens" in support._check_token_types("mm_token_type_ids", torch.tensor([[0, 1]]))
+    text_only = {"mm_token_type_ids": torch.zeros(2, 3, dtype=torch.long), "pixel_values": None}
+    assert qwen3_vl_moe.check_inputs(model, text_only) is None
+    assert "image/video tokens" in qwen3_vl_moe.check_inputs(model, {"mm_token_type_ids": torch.tensor([[0, 1]])})
+    assert "pixel_values" in qwen3_vl_moe.check_inputs(model, {"pixel_values": torch.zeros(1)})
     equal = torch.arange(5).expand(4, 2, 5)
-    assert torch.equal(support.text_position_ids(equal), equal[0])
+    assert torch.equal(qwen3_vl_moe.text_position_ids(equal), equal[0])
     shifted = equal.clone()
     shifted[1:] += 3
-    assert "components differ" in support.text_position_ids(shifted)
+    assert "components differ" in qwen3_vl_moe.text_position_ids(shifted)
 
 
 def test_equal_mrope_components_are_plain_rope(model):
