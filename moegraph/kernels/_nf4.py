@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..errors import InvalidArgumentError
+from ..quant.nf4 import BLOCKSIZE, COMPUTE_DTYPES, NESTED_BLOCKSIZE, NF4_CODE  # the format: one place
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -34,15 +35,10 @@ if HAVE_TRITON:
 else:  # pragma: no cover - Triton missing: only the _ref functions run
     libdevice = None
 
-QUANT_BLOCK = 64  # bitsandbytes' blocksize for 4-bit weights (the only one the kernels take)
-NESTED_BLOCK = 256  # bitsandbytes' blocksize for the nested absmax (compress_statistics=True)
+QUANT_BLOCK = BLOCKSIZE  # the only 4-bit blocksize the kernels take
+NESTED_BLOCK = NESTED_BLOCKSIZE
 _NESTED_BLOCK = tl.constexpr(NESTED_BLOCK)
-_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# bitsandbytes.functional.get_4bit_type("nf4") as float32 values (the tests check it against bitsandbytes)
-NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
-            1.0)
+_COMPUTE_DTYPES = COMPUTE_DTYPES
 
 
 def nf4_code(device) -> torch.Tensor:

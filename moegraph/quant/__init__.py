@@ -1,7 +1,11 @@
-"""4-bit expert weights in bitsandbytes' NF4 layout: the format, its (de)quantization and the NF4 experts module."""
+"""4-bit expert weights in bitsandbytes' NF4 layout: the format, its (de)quantization and the NF4 experts module.
 
-from .experts import NF4Experts, quantize_experts
-from .projections import quantize_projections
+The format (`nf4.py`) imports nothing of moegraph's but its errors, so that the kernels can take its constants from
+here; the experts module and the projections (which use the kernels) load on first use.
+"""
+
+import importlib
+
 from .nf4 import (
     BLOCKSIZE,
     NF4_CODE,
@@ -12,6 +16,15 @@ from .nf4 import (
     quantize_nf4,
     to_bnb,
 )
+
+_LAZY = {"NF4Experts": ".experts", "quantize_experts": ".experts", "quantize_projections": ".projections"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BLOCKSIZE",
