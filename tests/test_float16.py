@@ -27,17 +27,21 @@ def _aligned_steps(got, want, prompt_len):
     return aligned
 
 
+def _patched_generate(model, inputs, kwargs):
+    """generate() under patch(model), and what moegraph's loop did."""
+    moegraph.patch(model)
+    try:
+        return model.generate(**inputs, **kwargs), moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+
+
 def test_float16_tokens_and_logits_follow_transformers():
     model = build_model("tiny", seed=11, dtype=torch.float16)
     inputs = random_prompts(4, vocab_size=model.config.vocab_size, seed=12)
     kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = model.generate(**inputs, **kwargs)
-    moegraph.patch(model)
-    try:
-        got = model.generate(**inputs, **kwargs)
-        stats = moegraph.decode_stats(model)
-    finally:
-        moegraph.unpatch(model)
+    got, stats = _patched_generate(model, inputs, kwargs)
     assert stats.fallback_reason is None and stats.steps == 16  # moegraph's loop ran, in float16
     assert got.logits[0].dtype == want.logits[0].dtype
     aligned = _aligned_steps(got, want, inputs["input_ids"].shape[1])
@@ -82,12 +86,7 @@ def test_float16_overflow_goes_as_in_transformers(remove_invalid_values):
                   remove_invalid_values=remove_invalid_values)
     want = model.generate(**inputs, **kwargs)
     assert torch.isnan(want.logits[0]).any()  # the case is real: transformers overflowed
-    moegraph.patch(model)
-    try:
-        got = model.generate(**inputs, **kwargs)
-        stats = moegraph.decode_stats(model)
-    finally:
-        moegraph.unpatch(model)
+    got, stats = _patched_generate(model, inputs, kwargs)
     assert stats.fallback_reason is None
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
