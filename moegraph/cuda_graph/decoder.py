@@ -17,7 +17,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
