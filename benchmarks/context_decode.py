@@ -44,11 +44,12 @@ def main():
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--grow-to", type=int, default=16384)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="attention ops to run, of " + ",".join(VARIANTS))
     args = parser.parse_args()
     model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
     vocab = model.config.vocab_size
     rows, same = [], []
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
         _use(variant)
         for batch in map(int, args.batch_sizes.split(",")):
             for length in map(int, args.lengths.split(",")):

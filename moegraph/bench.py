@@ -113,22 +113,27 @@ def measure_copy_bandwidth(device) -> float:
 
 
 def count_distinct_experts(model, prompts, steps: int = 4) -> float:
-    """Mean distinct experts per MoE layer per decode step, read from the routers during generate()."""
+    """Mean distinct experts per MoE layer per decode step, read from the experts' `top_k_index` argument during
+    an unpatched generate(): every family calls its experts as `experts(hidden, top_k_index, top_k_weights)`,
+    whatever its router returns."""
     counts = []
 
-    def hook(module, args, output):
-        index = output[2]
-        if index.shape[0] == prompts["input_ids"].shape[0]:  # decode steps: one token per row
+    def hook(module, args, kwargs):
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if index is not None and index.shape[0] == prompts["input_ids"].shape[0]:  # decode: one token per row
             counts.append(index.unique().numel())
 
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    handles = [r.register_forward_hook(hook) for r in routers]
+    experts = [m for m in model.modules() if hasattr(m, "num_experts") and type(m).__name__.endswith("Experts")]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in experts]
     try:
         model.generate(**prompts, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     finally:
         for h in handles:
             h.remove()
-    return sum(counts) / max(len(counts), 1)
+    if not counts:  # a roofline without the experts would be silently wrong
+        raise RuntimeError(f"bench: no expert routing seen in {type(model).__name__}'s decode steps "
+                           f"({len(experts)} experts modules hooked); is the model patched?")
+    return sum(counts) / len(counts)
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from moegraph.bench import step_bytes
+from moegraph.bench import count_distinct_experts, step_bytes
 from moegraph.cli import build_parser
 from moegraph.models import decoder_stack
-from moegraph.testing import build_model
+from moegraph.testing import build_model, random_prompts
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-mixtral", "tiny-qwen3-vl-moe"])
@@ -28,6 +28,20 @@ def test_step_bytes_counts_the_stored_tensors(name):
                 if ".experts." not in n and "embed_tokens" not in n and ".visual." not in n)
     assert parts["attention"] + parts["other_layer_weights"] + parts["lm_head"] == dense
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-vl-moe"])
+def test_distinct_experts_are_counted_from_every_familys_routing(name):
+    """Per MoE layer and decode step, between top_k (one row) and the experts there are (GLM-4-MoE's router
+    returns logits, not indices: the count reads the experts' own top_k_index argument)."""
+    model = build_model(name)
+    config = model.config.get_text_config()
+    top_k, experts = config.num_experts_per_tok, getattr(config, "num_local_experts", None) or getattr(
+        config, "n_routed_experts", None) or config.num_experts
+    one_row = random_prompts(1, vocab_size=config.vocab_size, min_len=5, max_len=5, seed=0)
+    assert count_distinct_experts(model, one_row, steps=3) == top_k
+    four_rows = random_prompts(4, vocab_size=config.vocab_size, min_len=3, max_len=6, seed=0)
+    assert top_k < count_distinct_experts(model, four_rows, steps=3) <= min(experts, 4 * top_k)
 
 
 @pytest.mark.parametrize("double_quant", [False, True])

@@ -11,6 +11,7 @@ memory of the largest.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 import traceback
@@ -20,6 +21,18 @@ from typing import Callable
 import torch
 
 logger = logging.getLogger("moegraph")
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """The one side stream of a device on which every warm-up and capture runs. cuBLAS keeps a workspace per
+    stream that it uses, for the life of the process: a fresh stream per capture would leave one more each time."""
+    device = torch.device(device)
+    return _capture_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -108,14 +121,14 @@ class BucketGraphs:
     def _capture(self, missing: list[int], device: torch.device, show_progress: bool) -> None:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        stream = capture_stream(device)
         for rows in _progress(missing, show_progress):
-            stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 self.step(rows)  # warm-up: lazy init, backend probes and autotuning stay out of the capture
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self.outputs[rows] = self.step(rows)
             self.graphs[rows] = graph
         torch.cuda.synchronize(device)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs import capture_stream
+
 # top-p after top-k is computed on the k candidates (a [rows, k] sort instead of a [rows, V] one); above this
 # k the whole vocabulary is sorted, as transformers does.
 MAX_TOP_P_CANDIDATES = 1024
@@ -227,13 +229,13 @@ class DeviceSampler:
             return
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.sample_(source)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             self.sample_(source)
         self.graphs[bucket], self.sources[bucket] = graph, source
 
