@@ -88,14 +88,17 @@ class PrefillProfile(_KernelTable):
         return "\n".join([head] + self._top_lines(top))
 
 
-def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20) -> StepProfile:
-    """Profile one decode step of a patched model at `batch_size` rows (see the module docstring)."""
+def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20, context: int = 128) -> StepProfile:
+    """Profile one decode step of a patched model at `batch_size` rows of distinct random tokens, each at `context`
+    positions (see the module docstring)."""
     from torch.profiler import profile
 
     decoder = _patched_decoder(model, "profile_step")
     capture(model, batch_size)
     device = decoder.model.device
     on_cuda = device.type == "cuda"
+    context = min(context, decoder.cache.positions - 1)
+    decoder.inputs.fill_random(batch_size, model.config.get_text_config().vocab_size, context)
     decoder.eager_step(batch_size)  # warm: lazy initialisation and compilation stay out of the profile
     with profile(activities=[_activity(device)]) as prof:
         decoder.eager_step(batch_size)

@@ -32,6 +32,21 @@ def test_profile_step_lists_the_ops_of_one_step_and_leaves_generate_as_it_was(mo
     assert torch.equal(before, after)
 
 
+def test_profile_step_runs_distinct_rows_at_a_context(model):
+    """Rows of one token id would all route to the same experts: the profiled step would read a fraction of the
+    expert weights a real batch reads."""
+    from moegraph.patches.api import _decoder_for
+
+    moegraph.patch(model)
+    try:
+        moegraph.profile_step(model, batch_size=4, context=40)
+        inputs = _decoder_for(model).inputs
+        assert inputs.token_ids[:4].unique().numel() == 4
+        assert inputs.positions[:4].tolist() == [40] * 4 and inputs.rope_positions[:4].tolist() == [40] * 4
+    finally:
+        moegraph.unpatch(model)
+
+
 def test_profile_step_needs_a_patched_model(model):
     with pytest.raises(moegraph.InvalidArgumentError, match="moegraph.patch"):
         moegraph.profile_step(model)

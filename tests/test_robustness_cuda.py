@@ -47,6 +47,10 @@ def _generate(model, inputs, new_tokens=NEW_TOKENS, **kwargs):
     return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
+def _sampled(model, inputs):
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.7)
+
+
 def _allocated() -> int:
     """Bytes of live tensors, once nothing of a finished call (an exception's frames) can hold any."""
     gc.collect()
@@ -211,12 +215,12 @@ def test_free_cache_and_unpatch_give_the_gpu_memory_back(model):
     unpatch cycles leave nothing behind. The baseline comes after one short patched call: what the first capture
     of a process creates for good (cuBLAS's workspace on moegraph's one capture stream) is not the model's."""
     moegraph.patch(model, max_batch_size=MAX_BATCH)
-    _generate(model, _prompts(model, 1, seed=1), do_sample=True, temperature=0.7)
+    _sampled(model, _prompts(model, 1, seed=1))
     moegraph.unpatch(model)
     baseline = _allocated()
     moegraph.patch(model, max_batch_size=MAX_BATCH)
     try:
-        want = _generate(model, _prompts(model, MAX_BATCH, seed=3, min_len=900, max_len=1000))
+        want = _generate(model, _prompts(model, MAX_BATCH, seed=3, min_len=900, max_len=1000)).cpu()
         assert _allocated() > baseline + StaticKVCache.bytes_for(
             num_layers=model.config.num_hidden_layers, rows=MAX_BATCH, positions=1024,
             kv_heads=model.config.num_key_value_heads, head_dim=model.model.layers[0].self_attn.head_dim,
@@ -224,13 +228,14 @@ def test_free_cache_and_unpatch_give_the_gpu_memory_back(model):
         moegraph.free_cache(model)
         assert _allocated() == baseline
         got = _generate(model, _prompts(model, MAX_BATCH, seed=3, min_len=900, max_len=1000))
-        assert torch.equal(got, want)  # built and captured again: the same tokens
+        assert torch.equal(got.cpu(), want)  # built and captured again: the same tokens
+        del got
     finally:
         moegraph.unpatch(model)
     assert _allocated() == baseline
     for seed in range(3):
         moegraph.patch(model, max_batch_size=MAX_BATCH)
         moegraph.capture(model)
-        _generate(model, _prompts(model, 4, seed=seed), do_sample=True, temperature=0.7)  # the sampler's graphs too
+        _sampled(model, _prompts(model, 4, seed=seed))  # the sampler's graphs too
         moegraph.unpatch(model)
         assert _allocated() == baseline

@@ -67,6 +67,14 @@ class StaticInputs:
         self.positions.zero_()
         self.rope_positions.zero_()
 
+    def fill_random(self, rows: int, vocab_size: int, context: int, seed: int = 0) -> None:
+        """Distinct random tokens at `context` positions in the first `rows` rows, as a call leaves them (for
+        profiling: token 0 in every row would route every row to the same experts)."""
+        gen = torch.Generator().manual_seed(seed)
+        self.token_ids[:rows].copy_(torch.randint(vocab_size, (rows,), generator=gen))
+        self.positions[:rows].fill_(context)
+        self.rope_positions[:rows].fill_(context)
+
 
 def weight_slots(model: torch.nn.Module) -> list[tuple[dict, str, bool]]:
     """Where the decode step finds every parameter, buffer and submodule: (dict, key, is_tensor), collected once.
