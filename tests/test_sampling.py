@@ -193,6 +193,31 @@ def test_sampled_decode_with_min_new_tokens_and_eos(model):
             assert (row[int(hit[0, 0]) + 1:] == 0).all()
 
 
+@pytest.mark.parametrize("kwargs", [dict(min_new_tokens=6), dict(repetition_penalty=1.3),
+                                    dict(min_new_tokens=4, repetition_penalty=0.7)])
+def test_greedy_processors_on_the_device_give_transformers_tokens(model, kwargs):
+    """A greedy call's min_new_tokens and repetition penalty run in the device sampler (an argmax after them,
+    captured on CUDA): the tokens of transformers' own greedy generate()."""
+    inputs = random_prompts(4, vocab_size=model.config.vocab_size, seed=11)
+    free = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    eos = int(free[1, inputs["input_ids"].shape[1] + 1])  # row 1 would end at its second token
+    call = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs)
+    want = model.generate(**inputs, **call)
+    got, stats = _generate(model, inputs, **call)
+    assert stats.sampling == "greedy: device processors" and stats.fallback_reason is None
+    assert torch.equal(got, want)
+    host, stats = _generate(model, inputs, options={"sampling": "transformers"}, **call)
+    assert stats.sampling == "greedy: sampling='transformers' on cpu" and torch.equal(host, want)
+
+
+def test_greedy_without_processors_stays_an_argmax(model):
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=12)
+    _, stats = _generate(model, inputs, max_new_tokens=3, do_sample=False)
+    assert stats.sampling == "greedy"
+    assert plan_sampling(LogitsProcessorList([]), 10, greedy=True).startswith("greedy without processors")
+    assert plan_sampling(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.1)]), 10, greedy=True).greedy
+
+
 @pytest.mark.parametrize("kwargs, why", [
     (dict(typical_p=0.9), "transformers: logits processor TypicalLogitsWarper"),
     (dict(return_dict_in_generate=True, output_scores=True), "transformers: output_scores"),

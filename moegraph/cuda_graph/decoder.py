@@ -51,7 +51,9 @@ class DecodeStats:
     capture_seconds: float = 0.0
     captures: int = 0
     fallback_reason: str | None = None
-    sampling: str | None = None  # "greedy", "device" (moegraph's sampler) or "transformers: <why>" (host path)
+    # "device" (moegraph's sampler), "transformers: <why>" (host path), "greedy" (argmax; with processors on the
+    # host: "greedy: <why>") or "greedy: device processors" (a greedy call's processors in moegraph's sampler)
+    sampling: str | None = None
 
     @property
     def host_ms_per_step(self) -> float:
@@ -382,35 +384,42 @@ class GraphDecoder:
             rope_start=rope_start.to(input_ids.device, torch.long))
 
     def _plan_sampling(self, call: _Call) -> None:
-        """Sample on the device when the call samples, the setting allows it and the plan covers its processors."""
-        if not call.do_sample:
+        """The device sampler when the call samples, or is greedy with processors (min_new_tokens, a repetition
+        penalty): their ops and the draw or argmax run in a captured graph instead of a dozen launches a step;
+        when the setting allows it and the plan covers the processors."""
+        greedy = not call.do_sample
+        mode = self.options.sampling
+        if greedy and not len(call.logits_processor):
             call.stats.sampling = "greedy"
             return
-        mode = self.options.sampling
         if mode == "transformers" or (mode == "auto" and self.model.device.type != "cuda"):
-            call.stats.sampling = f"transformers: sampling={mode!r} on {self.model.device.type}"
+            call.stats.sampling = f"{'greedy' if greedy else 'transformers'}: sampling={mode!r} on " \
+                                  f"{self.model.device.type}"
             return
         if call.keep_scores:
-            call.stats.sampling = "transformers: output_scores (transformers' processors return the scores)"
+            call.stats.sampling = ("greedy" if greedy else "transformers") + \
+                ": output_scores (transformers' processors return the scores)"
             return
         vocab = self.model.get_output_embeddings().weight.shape[0]
-        plan = sampling.plan_sampling(call.logits_processor, vocab)
+        plan = sampling.plan_sampling(call.logits_processor, vocab, greedy=greedy)
         if isinstance(plan, str):
-            call.stats.sampling = f"transformers: {plan}"
+            call.stats.sampling = f"{'greedy' if greedy else 'transformers'}: {plan}"
             return
         call.plan = plan
-        call.seed = int(torch.randint(0, 1 << 62, ()))  # the default generator: torch.manual_seed reproduces
-        call.stats.sampling = "device"
+        # the draw's seed, from the default generator (torch.manual_seed reproduces); a greedy call takes none
+        call.seed = 0 if greedy else int(torch.randint(0, 1 << 62, ()))
+        call.stats.sampling = "greedy: device processors" if greedy else "device"
 
     def _chunk_sampler(self, call: _Call, input_ids, part: slice, logits, rows: int, use_graphs: bool):
         """The device sampler for this chunk (its graph captured for the chunk's bucket), loaded with the call."""
         bucket = bucket_for(rows, self.buckets)
-        key = (call.plan.stages, logits.shape[-1])
+        key = (call.plan.stages, call.plan.greedy, logits.shape[-1])
         sampler = self._samplers.get(key)
         if sampler is None or sampler.rows < bucket:
             if len(self._samplers) >= 8:  # each holds a few [rows, V] buffers and its graph pool
                 self._samplers.clear()
-            sampler = self._samplers[key] = sampling.DeviceSampler(key[0], self.cache.rows, key[1], logits.device)
+            sampler = self._samplers[key] = sampling.DeviceSampler(key[0], self.cache.rows, key[2], logits.device,
+                                                                         greedy=key[1])
         if use_graphs:
             try:
                 sampler.capture(bucket, self.graphs.outputs[bucket])  # before load(): capturing runs the sampler

@@ -55,10 +55,14 @@ class Stage:
 class SamplingPlan:
     stages: tuple[Stage, ...]
     processors: tuple  # the call's processor objects, one per stage (their values are loaded per call)
+    greedy: bool = False  # argmax of the processed scores (a greedy call's min-length or repetition penalty)
 
 
-def plan_sampling(logits_processor, vocab_size: int) -> SamplingPlan | str:
-    """The device plan for the call's processors, or why the host path runs them."""
+def plan_sampling(logits_processor, vocab_size: int, greedy: bool = False) -> SamplingPlan | str:
+    """The device plan for the call's processors (greedy: their argmax instead of a draw), or why the host
+    path runs them."""
+    if greedy and not len(logits_processor):
+        return "greedy without processors (an argmax: nothing to move)"
     stages, processors = [], []
     for processor in logits_processor:
         name = type(processor).__name__
@@ -83,7 +87,7 @@ def plan_sampling(logits_processor, vocab_size: int) -> SamplingPlan | str:
             stage = Stage("min_p", keep=min(int(processor.min_tokens_to_keep), vocab_size))
         stages.append(stage)
         processors.append(processor)
-    return SamplingPlan(tuple(stages), tuple(processors))
+    return SamplingPlan(tuple(stages), tuple(processors), greedy)
 
 
 def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
@@ -116,8 +120,10 @@ def gumbel_race(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class DeviceSampler:
     """A plan's static state for up to `rows` rows of V logits, and the captured sampler graphs per bucket."""
 
-    def __init__(self, stages: tuple[Stage, ...], rows: int, vocab_size: int, device: torch.device):
+    def __init__(self, stages: tuple[Stage, ...], rows: int, vocab_size: int, device: torch.device,
+                 greedy: bool = False):
         self.stages, self.rows, self.vocab_size, self.device = stages, rows, vocab_size, device
+        self.greedy = greedy
         f32 = dict(dtype=torch.float32, device=device)
         self.values = [torch.zeros((), **f32) for _ in stages]  # temperature, penalty, 1 - top_p, min_p
         self.thresholds = [torch.zeros((), dtype=torch.long, device=device) for _ in stages]  # min_length
@@ -213,7 +219,8 @@ class DeviceSampler:
         counters and the seen tokens. The same ops run eagerly and inside the captured graph."""
         b = logits.shape[0]
         scores = self.process(logits)
-        tokens = gumbel_race(scores, uniform_noise(self.seed, self.step, self.row_ids[:b], self.vocab_size))
+        tokens = (scores.argmax(dim=-1) if self.greedy
+                  else gumbel_race(scores, uniform_noise(self.seed, self.step, self.row_ids[:b], self.vocab_size)))
         self.next_tokens[:b].copy_(tokens)
         if self.seen is not None:
             self.seen[:b].scatter_(1, tokens[:, None], True)
