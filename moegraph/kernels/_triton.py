@@ -28,4 +28,52 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = _Absent()
     tl = _Absent()
 
-__all__ = ["HAVE_TRITON", "tl", "triton"]
+import functools
+import os
+
+import torch
+
+try:  # grid dependency control (Triton >= 3.3): programmatic dependent launch on sm_90+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    _HAVE_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except Exception:  # pragma: no cover - older Triton, or none
+    _HAVE_GDC = False
+
+    def gdc_launch_dependents():
+        pass
+
+    def gdc_wait():
+        pass
+
+    if HAVE_TRITON:
+        gdc_launch_dependents, gdc_wait = triton.jit(gdc_launch_dependents), triton.jit(gdc_wait)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on(device_type: str, index: int | None) -> bool:
+    if not _HAVE_GDC or device_type != "cuda" or os.environ.get("MOEGRAPH_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch on `device` (Hopper and newer; MOEGRAPH_PDL=0 turns it off,
+    read once): a kernel launched with them may start while the one before it drains, and waits for that one's
+    results with `pdl_wait` (its launch and the loads of static weights overlap the previous kernel's tail).
+    Every kernel given these must call `pdl_wait` before it reads what an earlier kernel wrote and before it writes."""
+    if not _pdl_on(device.type, device.index):
+        return {}
+    return {"USE_PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Let the next kernel launch, then wait until the previous kernel's writes are visible (no-op without PDL)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+__all__ = ["HAVE_TRITON", "pdl", "pdl_wait", "tl", "triton"]

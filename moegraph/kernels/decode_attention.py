@@ -25,7 +25,7 @@ import math
 import torch
 
 from . import _INTERPRET
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
@@ -37,7 +37,8 @@ WAVES = 4  # programs to aim for per SM when choosing max_splits
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_stride, k_head_stride,
                   scale_log2, window, max_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +93,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, pos_ptr, sink_ptr, out_ptr, q_heads, window, max_splits,
                     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                    MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr):
+                    MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     head = tl.program_id(1)
     end = tl.load(pos_ptr + row).to(tl.int32) + 1
@@ -153,11 +156,12 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK,
         WINDOWED=windowed, UPCAST=_INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        **pdl(q.device))
     _combine_kernel[(rows, q_heads)](
         partial_acc, partial_ml, positions, sinks if sinks is not None else partial_ml, out, q_heads, window,
         max_splits, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(max_splits), BLOCK=BLOCK_N,
-        MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4)
+        MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4, **pdl(q.device))
     return out
 
 

@@ -23,7 +23,7 @@ roundings as the block kernels (gate and up, silu, product); the combine reads t
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 from .moe_align import MAX_PAIRS  # noqa: F401  (callers check the pair count against it)
 
 BLOCK_M = 16  # slots per block: the smallest tl.dot M; decode blocks rarely hold more pairs
@@ -43,10 +43,11 @@ ALIGN_BLOCK_I = 32  # pairs ranked per grouping program (fewer for fewer pairs)
 @triton.jit
 def _align_blocks_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_ptr, num_pairs, num_experts,
                          num_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                         BLOCK_E: tl.constexpr):
+                         BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Rank BLOCK_I pairs (a counting sort: slot = start of its expert's group + earlier pairs of that expert);
     program 0 also writes each block's expert (-1 past the last group). Small [BLOCK_I, BLOCK_E] tiles only:
     the [64, 128] masks of the first version spilled and took ~11 us at batch 1."""
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -77,7 +78,9 @@ def _align_blocks_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, slot_token_ptr, block_expert_ptr, act_ptr, hidden, inter,
-                         stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -109,7 +112,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, slot_token_ptr, block_expert_ptr, act_ptr
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, slot_token_ptr, block_expert_ptr, out_ptr, hidden, inter, stride_we,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -132,7 +136,8 @@ def _down_kernel(act_ptr, w_ptr, slot_token_ptr, block_expert_ptr, out_ptr, hidd
 
 @triton.jit
 def _pair_gate_up_silu_kernel(x_ptr, w_ptr, index_ptr, act_ptr, hidden, inter, stride_we, TOP_K: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     pair = tl.program_id(1)
     expert = tl.load(index_ptr + pair).to(tl.int64)
     token = pair // TOP_K
@@ -160,7 +165,8 @@ def _pair_gate_up_silu_kernel(x_ptr, w_ptr, index_ptr, act_ptr, hidden, inter, s
 
 @triton.jit
 def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_we, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     pair = tl.program_id(1)
     expert = tl.load(index_ptr + pair).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,11 +193,12 @@ def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | No
     act = torch.empty(pairs, inter, dtype=gate_up_proj.dtype, device=x.device)
     _pair_gate_up_silu_kernel[(triton.cdiv(inter, block_n), pairs)](
         x, gate_up_proj, index, act, hidden_dim, inter, gate_up_proj.stride(0), TOP_K=top_k_index.shape[-1],
-        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden_dim)), num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden_dim)), num_warps=num_warps,
+        **pdl(x.device))
     down = torch.empty(pairs, hidden_dim, dtype=gate_up_proj.dtype, device=x.device)
     _pair_down_kernel[(triton.cdiv(hidden_dim, block_n), pairs)](
         act, down_proj, index, down, hidden_dim, inter, down_proj.stride(0), BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=num_warps)
+        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=num_warps, **pdl(x.device))
     return down
 
 
@@ -206,7 +213,8 @@ def align_blocks(top_k_index: torch.Tensor, num_experts: int):
     block_i = min(ALIGN_BLOCK_I, max(16, triton.next_power_of_2(num_pairs)))
     _align_blocks_kernel[(triton.cdiv(num_pairs, block_i),)](
         experts, position, slot_token, block_expert, num_pairs, num_experts, num_blocks,
-        TOP_K=top_k_index.shape[-1], BLOCK_M=BLOCK_M, BLOCK_I=block_i, BLOCK_E=triton.next_power_of_2(num_experts))
+        TOP_K=top_k_index.shape[-1], BLOCK_M=BLOCK_M, BLOCK_I=block_i, BLOCK_E=triton.next_power_of_2(num_experts),
+        **pdl(top_k_index.device))
     return position, slot_token, block_expert
 
 
@@ -227,11 +235,11 @@ def fused_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
     act = torch.empty(slot_token.numel(), inter, dtype=gate_up_proj.dtype, device=hidden.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up_proj, slot_token, block_expert, act, hidden_dim, inter, gate_up_proj.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K, **pdl(x.device))
     down = torch.empty(slot_token.numel(), hidden_dim, dtype=gate_up_proj.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_dim, DOWN_BLOCK_N))](
         act, down_proj, slot_token, block_expert, down, hidden_dim, inter, down_proj.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K, **pdl(x.device))
     return combine(down, position, top_k_weights, hidden.dtype)
 
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 # Where the GEMV beats cuBLAS, measured on the H200 at Qwen3-30B-A3B's shapes in bf16 (CUDA-graph replay,
 # benchmarks/gemv_decode.py, 2026-12-04; us GEMV / cuBLAS):
@@ -43,19 +43,25 @@ def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
 
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_mask = cols < N
     rows = tl.arange(0, ROWS)
     row_mask = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    # the first weight step is loaded before waiting for x: the weights are no earlier kernel's output
+    w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        next_ks = ks + BLOCK_K  # all masked off after the last step
+        next_w = tl.load(w_rows + next_ks[None, :], mask=col_mask[:, None] & (next_ks < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        w = next_w
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -64,15 +70,16 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, 
 
 @triton.jit
 def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, N2, tiles0, tiles01, M, K,
-                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's."""
     tile = tl.program_id(0)
     if tile < tiles0:
-        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
     elif tile < tiles01:
-        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
     else:
-        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS)
+        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
 
 
 def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -102,7 +109,7 @@ def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
         args += [w, b if b is not None else w, out, w.shape[0]]
     _gemv_group_kernel[(sum(tiles),)](x, *args, tiles[0], tiles[0] + tiles[1], rows, k,
                                       ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                                      HAS_BIAS=biases is not None, num_warps=num_warps)
+                                      HAS_BIAS=biases is not None, num_warps=num_warps, **pdl(x.device))
     return tuple(outs)
 
 

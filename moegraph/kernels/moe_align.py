@@ -11,7 +11,7 @@ Capture-safe: grid fixed by N, no host sync.
 """
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK_I = 64  # pairs ranked per program
 BLOCK_J = 64  # pairs compared per step
@@ -20,7 +20,9 @@ MAX_PAIRS = 8192  # above this the quadratic ranking costs more than the sort it
 
 @triton.jit
 def _moe_align_kernel(expert_ptr, token_of_slot_ptr, position_ptr, offsets_ptr, num_pairs, num_experts,
-                      TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -55,7 +57,7 @@ def moe_align(top_k_index: torch.Tensor, num_experts: int):
     offsets = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
     _moe_align_kernel[(triton.cdiv(num_pairs, BLOCK_I),)](
         experts, token_of_slot, position, offsets, num_pairs, num_experts, TOP_K=top_k_index.shape[-1],
-        BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=triton.next_power_of_2(num_experts))
+        BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_E=triton.next_power_of_2(num_experts), **pdl(top_k_index.device))
     return token_of_slot, position, offsets
 
 

@@ -12,14 +12,15 @@ Capture-safe: grid (T, H / BLOCK).
 from __future__ import annotations
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK_H = 256  # a 2048-wide hidden row in 8 programs: enough programs for small T on 132 SMs
 
 
 @triton.jit
 def _moe_combine_kernel(expert_out_ptr, position_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
-                        IN_PAIR_ORDER: tl.constexpr, BLOCK: tl.constexpr):
+                        IN_PAIR_ORDER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -48,7 +49,7 @@ def moe_combine(expert_out: torch.Tensor, position: torch.Tensor | None, weights
     grid = (tokens, triton.cdiv(hidden, BLOCK_H))
     position_arg = weights if position is None else position.contiguous()  # never read in pair order
     _moe_combine_kernel[grid](expert_out.contiguous(), position_arg, weights.contiguous(), out, hidden,
-                              TOP_K=top_k, IN_PAIR_ORDER=position is None, BLOCK=BLOCK_H)
+                              TOP_K=top_k, IN_PAIR_ORDER=position is None, BLOCK=BLOCK_H, **pdl(out.device))
     return out
 
 

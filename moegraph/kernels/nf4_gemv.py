@@ -22,7 +22,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
                    nf4_code)
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
            "nf4_linear_group", "nf4_linear_ref"]
@@ -63,7 +63,8 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                        out_ptr, M, N, row_bytes, bytes_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                        NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       LOOKUP: tl.constexpr):
+                       LOOKUP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
     row_mask = rows < N
     kb_start = tl.program_id(2) * bytes_per_split  # K is split in bytes of the weight rows
@@ -113,10 +114,12 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
                              nc2, na2, o2, out2, b2, N2, tiles0, tiles01, code_ptr, M, row_bytes, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                              DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
-                             EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr):
+                             EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
     HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it."""
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     tile = tl.program_id(0)
     if tile < tiles0:
         w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, bias_ptr, N = (
@@ -144,7 +147,8 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
 
 @triton.jit
 def _nf4_linear_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -216,7 +220,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     out = torch.empty(rows_m, N, dtype=x.dtype, device=x.device)
     partial = torch.empty(split_k, rows_m, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
-    launch = _launch_options(cfg, use_dot, block_n)
+    launch = dict(_launch_options(cfg, use_dot, block_n), **pdl(x.device))
     _nf4_linear_kernel[(grid_n, grid_m, split_k)](
         x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
         steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
@@ -225,7 +229,8 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
-            partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+            partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+            **pdl(x.device))
     return out
 
 
@@ -265,7 +270,7 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     padded += [padded[0]] * (MAX_GROUP - len(views))  # never reached: no tiles
     args = [a for v, out, b in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out, b,
                                                  v.rows)]
-    launch = _launch_options(cfg, use_dot, block_n)
+    launch = dict(_launch_options(cfg, use_dot, block_n), **pdl(x.device))
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,

@@ -25,7 +25,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
                    nf4_code)
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 from .fused_moe import BLOCK_M, align_blocks
 
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
@@ -90,7 +90,9 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
                              row_bytes, stride_we, blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
-                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
@@ -118,7 +120,9 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
                      nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, hidden, inter, row_bytes, stride_we,
                      blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                     ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr):
+                     ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
@@ -144,6 +148,7 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
     launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
     if cfg.num_stages is not None:
         launch["num_stages"] = cfg.num_stages
+    launch.update(pdl(out.device))
     kernel[grid](
         inputs, slot_token, block_expert, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),

@@ -11,7 +11,7 @@ Capture-safe: grid (b, Hq + Hkv), positions read on the device.
 """
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 @triton.jit
 def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
@@ -42,7 +42,8 @@ def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NO
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
                          kc_ptr, vc_ptr, q_heads, kv_heads, kc_row_stride, kc_head_stride, eps,
-                         HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -97,7 +98,8 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, va
         q_weight, k_weight, eps = q, q, 0.0
     _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
         q, k, v, q_weight, k_weight, cos, sin, positions, q_out, key_cache, value_cache,
-        q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim, NORM=norm)
+        q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim, NORM=norm,
+        **pdl(q.device))
     return q_out
 
 

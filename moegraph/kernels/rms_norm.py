@@ -8,11 +8,12 @@ Capture-safe: one launch, grid fixed by R, no host sync.
 """
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -39,7 +40,7 @@ def _launch(x, residual, weight, eps):
     res2 = residual.reshape(x2.shape).contiguous() if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, summed, x2.shape[1], eps,
                                      HAS_RESIDUAL=residual is not None,
-                                     BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                     BLOCK=triton.next_power_of_2(x2.shape[1]), **pdl(x2.device))
     return summed.view(x.shape), out.view(x.shape)
 
 

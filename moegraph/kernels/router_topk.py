@@ -10,11 +10,12 @@ Capture-safe: grid (T,), no host sync.
 """
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, index_ptr, num_experts, TOP_K: tl.constexpr,
-                        NORMALIZE: tl.constexpr, BLOCK: tl.constexpr):
+                        NORMALIZE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_experts
@@ -48,7 +49,7 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool, weights_dtype
     weights = torch.empty(tokens, top_k, dtype=weights_dtype or logits.dtype, device=logits.device)
     index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     _router_topk_kernel[(tokens,)](logits, weights, index, num_experts, TOP_K=top_k, NORMALIZE=normalize,
-                                   BLOCK=triton.next_power_of_2(num_experts))
+                                   BLOCK=triton.next_power_of_2(num_experts), **pdl(logits.device))
     return weights, index
 
 

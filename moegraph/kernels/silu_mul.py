@@ -6,13 +6,14 @@ Capture-safe: grid (N, I / BLOCK).
 """
 
 import torch
-from ._triton import tl, triton
+from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK = 256  # 768-wide rows (Qwen3-30B-A3B) in 3 programs
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -29,7 +30,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate_up width {width} is not even")
     gate_up = gate_up.contiguous()
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(rows, triton.cdiv(width // 2, BLOCK))](gate_up, out, width // 2, BLOCK=BLOCK)
+    _silu_mul_kernel[(rows, triton.cdiv(width // 2, BLOCK))](gate_up, out, width // 2, BLOCK=BLOCK,
+                                                            **pdl(gate_up.device))
     return out
 
 

@@ -1,0 +1,73 @@
+"""Decode ms/step with programmatic dependent launch (PDL) off and on, bf16 then NF4 (the same model quantized in
+place), full-size Qwen3-30B-A3B layers, graphs on: what letting each Triton kernel start while the one before it
+drains buys. Greedy tokens must not change (the kernels compute the same thing in the same order).
+
+    python benchmarks/pdl_decode.py --num-layers 48
+"""
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import moegraph
+from moegraph.kernels import _triton
+from moegraph.quant.experts import quantize_experts
+from moegraph.quant.projections import quantize_projections
+from moegraph.testing import build_model, random_prompts
+
+
+def _set_pdl(on: bool) -> None:
+    os.environ["MOEGRAPH_PDL"] = "1" if on else "0"
+    _triton._pdl_on.cache_clear()
+
+
+def decode(model, batch_size, new_tokens, runs):
+    """(median decode ms/step, tokens) of `runs` greedy calls after a warm one."""
+    inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=128,
+                            seed=batch_size, device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    moegraph.patch(model, max_batch_size=max(batch_size, 8))
+    try:
+        tokens = model.generate(**inputs, **kw)
+        times = []
+        for _ in range(runs):
+            model.generate(**inputs, **kw)
+            stats = moegraph.decode_stats(model)
+            times.append(1e3 * stats.decode_seconds / max(stats.steps - 1, 1))
+    finally:
+        moegraph.unpatch(model)
+    return statistics.median(times), tokens.cpu()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-nf4", action="store_true")
+    args = parser.parse_args()
+    print(f"PDL supported by this Triton: {_triton._HAVE_GDC}; {torch.cuda.get_device_name()}")
+    model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    for weights in ("bf16",) if args.no_nf4 else ("bf16", "nf4"):
+        if weights == "nf4":
+            quantize_projections(model)
+            quantize_experts(model)
+            torch.cuda.empty_cache()
+        for bs in sizes:
+            off, off_tokens = (_set_pdl(False), decode(model, bs, args.new_tokens, args.runs))[1]
+            on, on_tokens = (_set_pdl(True), decode(model, bs, args.new_tokens, args.runs))[1]
+            rows.append((weights, bs, off, on, torch.equal(off_tokens, on_tokens)))
+            print(rows[-1], flush=True)
+    print(f"\nlayers={args.num_layers} new_tokens={args.new_tokens} runs={args.runs}")
+    print(f"{'weights':>7} {'bs':>3} {'PDL off ms':>10} {'PDL on ms':>9} {'speedup':>7} same tokens")
+    for weights, bs, off, on, same in rows:
+        print(f"{weights:>7} {bs:>3} {off:10.3f} {on:9.3f} {off / on:7.3f} {same}")
+
+
+if __name__ == "__main__":
+    main()
