@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels import pdl_launches
+
 logger = logging.getLogger("moegraph")
 
 
@@ -130,6 +132,11 @@ class BucketGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(device)
+        with pdl_launches():  # the warm-up compiles the kernels the capture launches
+            self._capture_each(missing, stream, device, show_progress)
+        torch.cuda.synchronize(device)
+
+    def _capture_each(self, missing: list[int], stream, device: torch.device, show_progress: bool) -> None:
         for rows in _progress(missing, show_progress):
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -139,7 +146,6 @@ class BucketGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self.outputs[rows] = self.step(rows)
             self.graphs[rows] = graph
-        torch.cuda.synchronize(device)
 
     def replay(self, rows: int) -> torch.Tensor:
         self.graphs[rows].replay()

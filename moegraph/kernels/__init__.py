@@ -6,7 +6,7 @@ TRITON_INTERPRET=1 for tests on the CPU); callers use the `_ref` functions other
 
 import os
 
-from ._triton import HAVE_TRITON
+from ._triton import HAVE_TRITON, pdl_launches  # noqa: F401  (the decode graphs launch inside pdl_launches)
 
 # Read once: Triton itself decides interpreter or compiled when the kernels are decorated (at import), and
 # launchers ask per call (moegraph's experts functions in prefill), which must not read the environment.

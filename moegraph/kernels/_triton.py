@@ -28,8 +28,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = _Absent()
     tl = _Absent()
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -58,12 +60,29 @@ def _pdl_on(device_type: str, index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def pdl_launches():
+    """Within it (this thread), the kernels launch with programmatic dependent launch where the device has it: around
+    the warm-up and capture of the decode graphs, where one kernel follows another with nothing in between. Eager
+    calls (prefill, an eager decode loop) launch plainly: the host, not the launch, is their limit."""
+    depth = getattr(_scope, "depth", 0)
+    _scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope.depth = depth
+
+
 def pdl(device: torch.device) -> dict:
-    """Launch arguments for programmatic dependent launch on `device` (Hopper and newer; MOEGRAPH_PDL=0 turns it off,
-    read once): a kernel launched with them may start while the one before it drains, and waits for that one's
-    results with `pdl_wait` (its launch and the loads of static weights overlap the previous kernel's tail).
-    Every kernel given these must call `pdl_wait` before it reads what an earlier kernel wrote and before it writes."""
-    if not _pdl_on(device.type, device.index):
+    """Launch arguments for programmatic dependent launch on `device` inside `pdl_launches()` (Hopper and newer;
+    MOEGRAPH_PDL=0 turns it off, read once): a kernel launched with them may start while the one before it drains,
+    and waits for that one's results with `pdl_wait` (its launch and the loads of static weights overlap the previous
+    kernel's tail). Every kernel given these must call `pdl_wait` before it reads what an earlier kernel wrote and
+    before it writes."""
+    if not getattr(_scope, "depth", 0) or not _pdl_on(device.type, device.index):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
 
@@ -76,4 +95,4 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["HAVE_TRITON", "pdl", "pdl_wait", "tl", "triton"]
+__all__ = ["HAVE_TRITON", "pdl", "pdl_launches", "pdl_wait", "tl", "triton"]

@@ -1,0 +1,63 @@
+"""Programmatic dependent launch: only inside pdl_launches() (the decode graphs' warm-up and capture), only where the
+device has it, and every kernel that may be launched with it waits for the previous kernel before it reads or writes
+anything an earlier kernel touches (a static check of the kernels' source: a kernel added without the wait fails)."""
+
+import ast
+import inspect
+import pathlib
+
+import torch
+
+from moegraph.kernels import _triton
+
+KERNELS = pathlib.Path(_triton.__file__).parent
+
+
+def test_pdl_arguments_only_inside_the_scope_and_on_a_device_that_has_it(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert _triton.pdl(cpu) == {}
+    with _triton.pdl_launches():
+        assert _triton.pdl(cpu) == {}  # no PDL off CUDA
+    monkeypatch.setattr(_triton, "_pdl_on", lambda device_type, index: device_type == "cuda")
+    assert _triton.pdl(gpu) == {}  # eager launches: plain
+    with _triton.pdl_launches():
+        with _triton.pdl_launches():
+            assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}
+        assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}  # the outer scope still holds
+    assert _triton.pdl(gpu) == {}
+
+
+def _kernels_launched_with_pdl():
+    """(file, kernel name, its FunctionDef) of every kernel (a `_*_kernel` function) with a USE_PDL parameter."""
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if (isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+                    and any(a.arg == "USE_PDL" for a in node.args.args)):
+                yield path.name, node.name, node
+
+
+def test_every_pdl_kernel_waits_before_it_touches_memory_an_earlier_kernel_wrote():
+    found = list(_kernels_launched_with_pdl())
+    names = {name for _, name, _ in found}
+    assert {"_gemv_group_kernel", "_rms_norm_kernel", "_split_kernel", "_pair_gate_up_silu_kernel",
+            "_gate_up_silu_nf4_kernel", "_nf4_linear_group_kernel"} <= names
+    for file, name, node in found:
+        calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+        waits = [c for c in calls if getattr(c.func, "id", None) == "pdl_wait"]
+        if name == "_gemv_group_kernel":  # delegates to _gemv_tile, which waits after its first weight load
+            assert not waits and all(any(getattr(a, "id", None) == "USE_PDL" for a in c.args) for c in calls
+                                     if getattr(c.func, "id", None) == "_gemv_tile")
+            continue
+        first = node.body[1] if isinstance(node.body[0], ast.Expr) and isinstance(
+            node.body[0].value, ast.Constant) else node.body[0]  # after the docstring
+        assert (isinstance(first, ast.Expr) and getattr(first.value.func, "id", None) == "pdl_wait"), \
+            f"{file}:{name} must call pdl_wait(USE_PDL) first"
+
+
+def test_the_gemv_waits_before_it_reads_x_and_after_loading_only_weights():
+    from moegraph.kernels import gemv
+
+    source = inspect.getsource(gemv._gemv_tile.fn)
+    before_wait = source[:source.index("pdl_wait(USE_PDL)")]
+    assert "w_rows" in before_wait and "x_ptr +" not in before_wait and "tl.store" not in before_wait
