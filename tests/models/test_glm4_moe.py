@@ -5,21 +5,22 @@ through the interpreter; whole-head RoPE through the fused op), and what its dec
 partial rotation, the MoE block) against transformers' own modules."""
 
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.glm4_moe import modeling_glm4_moe
 
 import moegraph
-import moegraph.moe.interface
 from moegraph.kernels import triton_available
 from moegraph.models import FAMILIES, glm4_moe
 from moegraph.ops import ops_for_model
 from moegraph.testing import build_model, make_config, random_prompts
 
-from _cases import eos_mid_batch_case, patched_generate
+from _cases import (assert_class_patch_greedy_equals_transformers,
+                    assert_patch_model_greedy_equals_transformers,
+                    assert_prefill_runs_moegraphs_experts,
+                    assert_triton_kernels_equal_transformers,
+                    eos_mid_batch_case)
 
 TRITON = triton_available(torch.empty(0))
 
@@ -36,16 +37,6 @@ def _glm(seed=0, **overrides):
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tensors of a few hundred elements: a second intra-op thread only adds synchronisation on a shared CPU.
-    Both sides of every comparison run with the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -90,58 +81,23 @@ def test_glm45_air_preset_shapes():
 
 
 def test_patch_model_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    got, stats = patched_generate(model, inputs, kwargs)
-    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
-    assert torch.equal(got, want)
+    assert_patch_model_greedy_equals_transformers(model, case)
 
 
 def test_class_patch_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    moegraph.patch(max_batch_size=4)
-    built_after = _glm()
-    assert built_after.config._experts_implementation == "moegraph"
-    for m in (model, built_after):  # one built before the class patch, one after
-        got = m.generate(**inputs, **kwargs)
-        assert moegraph.decode_stats(m).fallback_reason is None
-        assert torch.equal(got, want)
-    moegraph.unpatch()
-    assert not moegraph.is_patched(built_after)
+    assert_class_patch_greedy_equals_transformers(_glm, model, case)
 
 
 def test_prefill_runs_moegraphs_experts(model, case):
     """The prefill's Glm4MoeMoE dispatches through transformers' ExpertsInterface to moegraph's name: one call per
     sparse layer (not the dense first one) over every prompt token."""
-    inputs, kwargs, want = case
-    moegraph.moe.interface.register_experts()
-    spy = mock.Mock(wraps=ALL_EXPERTS_FUNCTIONS._global_mapping["moegraph"])
-    moegraph.patch(model, max_batch_size=4)
-    try:
-        with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {"moegraph": spy}):
-            got = model.generate(**inputs, **kwargs)
-    finally:
-        moegraph.unpatch(model)
-    assert torch.equal(got, want)
-    assert spy.call_count == model.config.num_hidden_layers - model.config.first_k_dense_replace
-    assert all(call.args[1].shape[0] == inputs["input_ids"].numel() for call in spy.call_args_list)
+    sparse_layers = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    assert_prefill_runs_moegraphs_experts(model, case, sparse_layers)
 
 
-@pytest.mark.skipif(not TRITON, reason="Triton's interpreter is not on for CPU tensors here")
 def test_triton_kernels_equal_transformers(model, case):
     """moegraph's Triton kernels (interpreter): the per-head norm and the fused op's identity-rotation cache write."""
-    from moegraph import ops
-    from moegraph.cuda_graph import decoder
-
-    inputs, kwargs, want = case
-    with mock.patch.object(decoder, "ops_for_model",
-                           lambda m, backend="auto": ops.ops_for_model(m, backend, kernels="triton")):
-        moegraph.patch(model, max_batch_size=4)
-        try:
-            got = model.generate(**inputs, **dict(kwargs, max_new_tokens=4))
-            assert moegraph.decode_stats(model).fallback_reason is None
-        finally:
-            moegraph.unpatch(model)
-    assert torch.equal(got, want[:, :got.shape[1]])
+    assert_triton_kernels_equal_transformers(model, case)
 
 
 def test_whole_head_rope_and_no_qk_norm_equal_transformers():

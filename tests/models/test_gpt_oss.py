@@ -4,15 +4,12 @@ experts with biases and the clamped SwiGLU through moegraph's grouped_mm path; p
 ExpertsInterface name; moegraph's Triton kernels through the interpreter), and what its decode step adds (RoPE on
 halves, sinks, the router, the experts, the MoE block) against transformers' own modules."""
 
-from unittest import mock
 
 import pytest
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 import moegraph
-import moegraph.moe.interface
 from moegraph.fit import count_parameters
 from moegraph.kernels import decode_attention, qk_norm_rope, triton_available
 from moegraph.models import gpt_oss
@@ -22,19 +19,14 @@ from moegraph.moe.triton_experts import moe_experts_triton
 from moegraph.ops import ops_for_model
 from moegraph.testing import build_model, make_config, random_prompts
 
-from _cases import eos_mid_batch_case, patched_generate
+from _cases import (assert_class_patch_greedy_equals_transformers,
+                    assert_patch_model_greedy_equals_transformers,
+                    assert_prefill_runs_moegraphs_experts,
+                    assert_triton_kernels_equal_transformers,
+                    eos_mid_batch_case,
+                    patched_generate)
 
 TRITON = triton_available(torch.empty(0))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tensors of a few hundred elements: a second intra-op thread only adds synchronisation on a shared CPU.
-    Both sides of every comparison run with the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +66,7 @@ def test_gpt_oss_20b_preset_shapes():
 
 
 def test_patch_model_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    got, stats = patched_generate(model, inputs, kwargs)
-    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
-    assert torch.equal(got, want)
+    assert_patch_model_greedy_equals_transformers(model, case)
 
 
 def test_logits_and_returned_cache_follow_transformers(model):
@@ -114,33 +103,13 @@ def test_batch_in_chunks_returns_transformers_cache(model):
 
 
 def test_class_patch_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    moegraph.patch(max_batch_size=4)
-    built_after = build_model("tiny-gpt-oss", seed=0)
-    assert built_after.config._experts_implementation == "moegraph"
-    for m in (model, built_after):  # one built before the class patch, one after
-        got = m.generate(**inputs, **kwargs)
-        assert moegraph.decode_stats(m).fallback_reason is None
-        assert torch.equal(got, want)
-    moegraph.unpatch()
-    assert not moegraph.is_patched(built_after)
+    assert_class_patch_greedy_equals_transformers(lambda: build_model("tiny-gpt-oss", seed=0), model, case)
 
 
 def test_prefill_runs_moegraphs_experts(model, case):
     """The prefill's GptOssMLP dispatches through transformers' ExpertsInterface to moegraph's name: one call per
     layer over every prompt token."""
-    inputs, kwargs, want = case
-    moegraph.moe.interface.register_experts()
-    spy = mock.Mock(wraps=ALL_EXPERTS_FUNCTIONS._global_mapping["moegraph"])
-    moegraph.patch(model, max_batch_size=4)
-    try:
-        with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {"moegraph": spy}):
-            got = model.generate(**inputs, **kwargs)
-    finally:
-        moegraph.unpatch(model)
-    assert torch.equal(got, want)
-    assert spy.call_count == model.config.num_hidden_layers
-    assert all(call.args[1].shape[0] == inputs["input_ids"].numel() for call in spy.call_args_list)
+    assert_prefill_runs_moegraphs_experts(model, case, sparse_layers=model.config.num_hidden_layers)
 
 
 def test_sliding_window_shorter_than_the_prompts_decodes_exactly():
@@ -179,23 +148,10 @@ def test_mxfp4_experts_fall_back():
     assert "Mxfp4Config(dequantize=True)" in gpt_oss.check_positions(packed, 10)
 
 
-@pytest.mark.skipif(not TRITON, reason="Triton's interpreter is not on for CPU tensors here")
 def test_triton_kernels_equal_transformers(model, case):
     """moegraph's Triton kernels (interpreter): RoPE + cache write, decode attention with sinks and a window, the
     experts' grouping and combine around grouped_mm."""
-    from moegraph import ops
-    from moegraph.cuda_graph import decoder
-
-    inputs, kwargs, want = case
-    with mock.patch.object(decoder, "ops_for_model",
-                           lambda m, backend="auto": ops.ops_for_model(m, backend, kernels="triton")):
-        moegraph.patch(model, max_batch_size=4)
-        try:
-            got = model.generate(**inputs, **dict(kwargs, max_new_tokens=4))
-            assert moegraph.decode_stats(model).fallback_reason is None
-        finally:
-            moegraph.unpatch(model)
-    assert torch.equal(got, want[:, :got.shape[1]])
+    assert_triton_kernels_equal_transformers(model, case)
 
 
 def test_router_matches_gpt_oss_router(model):

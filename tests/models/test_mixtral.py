@@ -1,17 +1,18 @@
 """The Mixtral family on the CPU, fp32: patched generate() against unpatched transformers, the sliding-window
 fallback, and the ops its decode step adds (RoPE-only attention, Mixtral's router) against transformers' own."""
 
-import logging
-
 import pytest
 import torch
 from transformers.models.mixtral import modeling_mixtral
 
 import moegraph
 from moegraph.kernels import qk_norm_rope, router_topk, triton_available
-from moegraph.testing import build_model, random_prompts
+from moegraph.testing import build_model
 
-from _cases import eos_mid_batch_case, patched_generate
+from _cases import (assert_class_patch_greedy_equals_transformers,
+                    assert_patch_model_greedy_equals_transformers,
+                    assert_sliding_window_falls_back,
+                    eos_mid_batch_case)
 
 
 @pytest.fixture(scope="module")
@@ -27,44 +28,16 @@ def case(model):
 
 
 def test_patch_model_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    got, stats = patched_generate(model, inputs, kwargs)
-    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
-    assert torch.equal(got, want)
+    assert_patch_model_greedy_equals_transformers(model, case)
 
 
 def test_class_patch_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    moegraph.patch(max_batch_size=4)
-    built_after = build_model("tiny-mixtral", seed=0)
-    assert built_after.config._experts_implementation == "moegraph"
-    for m in (model, built_after):  # one built before the class patch, one after
-        got = m.generate(**inputs, **kwargs)
-        assert moegraph.decode_stats(m).fallback_reason is None
-        assert torch.equal(got, want)
-    moegraph.unpatch()
-    assert not moegraph.is_patched(built_after)
+    assert_class_patch_greedy_equals_transformers(lambda: build_model("tiny-mixtral", seed=0), model, case)
 
 
 def test_sliding_window_falls_back_beyond_the_window(caplog):
     windowed = build_model("tiny-mixtral", seed=2, sliding_window=10, num_layers=1)
-    short = random_prompts(2, vocab_size=512, min_len=3, max_len=6, seed=5)  # <= 6 + 4 positions: inside
-    long = random_prompts(2, vocab_size=512, min_len=9, max_len=11, seed=6)  # up to 11 + 4: past the window
-    want_short = windowed.generate(**short, max_new_tokens=4, do_sample=False)
-    want_long = windowed.generate(**long, max_new_tokens=4, do_sample=False)
-    moegraph.patch(windowed, max_batch_size=4)
-    caplog.set_level(logging.WARNING, logger="moegraph")
-    try:
-        assert torch.equal(windowed.generate(**short, max_new_tokens=4, do_sample=False), want_short)
-        assert moegraph.decode_stats(windowed).fallback_reason is None
-        for _ in range(2):  # the reason is logged once per model
-            assert torch.equal(windowed.generate(**long, max_new_tokens=4, do_sample=False), want_long)
-            assert "sliding_window=10" in moegraph.decode_stats(windowed).fallback_reason
-    finally:
-        moegraph.unpatch(windowed)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "sliding_window" in r.getMessage()]
-    assert len(warnings) == 1 and "falls back to transformers" in warnings[0].getMessage()
-
+    assert_sliding_window_falls_back(windowed, caplog)
 
 def test_unsupported_model_error_lists_both_families():
     llama = torch.nn.Module()

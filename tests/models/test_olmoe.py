@@ -2,21 +2,22 @@
 projections, clip_qkv, prefill experts through moegraph's ExpertsInterface name), the sliding-window fallback, and
 the ops its decode step uses (rms_norm over [b, H*D] rows, OLMoE's router) against transformers' own modules."""
 
-import logging
 from unittest import mock
 
 import pytest
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.olmoe import modeling_olmoe
 
 import moegraph
-import moegraph.moe.interface
 from moegraph.kernels import rms_norm, router_topk, triton_available
 from moegraph.models import olmoe
 from moegraph.testing import build_model, random_prompts
 
-from _cases import eos_mid_batch_case, patched_generate
+from _cases import (assert_class_patch_greedy_equals_transformers,
+                    assert_patch_model_greedy_equals_transformers,
+                    assert_prefill_runs_moegraphs_experts,
+                    assert_sliding_window_falls_back,
+                    eos_mid_batch_case)
 
 
 def _olmoe(seed=0, **overrides):
@@ -29,17 +30,6 @@ def _olmoe(seed=0, **overrides):
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tensors of a few hundred elements: a second intra-op thread only adds synchronisation, which costs seconds
-    on a CPU shared with other work (the file takes ~12 s with one thread, up to ~35 s with two on a loaded
-    2-core machine). Both sides of every comparison run with the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -56,40 +46,17 @@ def case(model):
 
 
 def test_patch_model_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    got, stats = patched_generate(model, inputs, kwargs)
-    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
-    assert torch.equal(got, want)
+    assert_patch_model_greedy_equals_transformers(model, case)
 
 
 def test_class_patch_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    moegraph.patch(max_batch_size=4)
-    built_after = _olmoe()
-    assert built_after.config._experts_implementation == "moegraph"
-    for m in (model, built_after):  # one built before the class patch, one after
-        got = m.generate(**inputs, **kwargs)
-        assert moegraph.decode_stats(m).fallback_reason is None
-        assert torch.equal(got, want)
-    moegraph.unpatch()
-    assert not moegraph.is_patched(built_after)
+    assert_class_patch_greedy_equals_transformers(_olmoe, model, case)
 
 
 def test_prefill_runs_moegraphs_experts(model, case):
     """The prefill's OlmoeSparseMoeBlock dispatches through transformers' ExpertsInterface to moegraph's name:
     one call per layer over every prompt token (the decode steps call the op table's experts directly)."""
-    inputs, kwargs, want = case
-    moegraph.moe.interface.register_experts()
-    spy = mock.Mock(wraps=ALL_EXPERTS_FUNCTIONS._global_mapping["moegraph"])
-    moegraph.patch(model, max_batch_size=4)
-    try:
-        with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {"moegraph": spy}):
-            got = model.generate(**inputs, **kwargs)
-    finally:
-        moegraph.unpatch(model)
-    assert torch.equal(got, want)
-    assert spy.call_count == model.config.num_hidden_layers
-    assert all(call.args[1].shape[0] == inputs["input_ids"].numel() for call in spy.call_args_list)
+    assert_prefill_runs_moegraphs_experts(model, case, sparse_layers=model.config.num_hidden_layers)
 
 
 def test_clip_qkv_equals_transformers():
@@ -127,22 +94,7 @@ def test_sliding_window_falls_back_beyond_the_window(caplog):
     """A hand-set sliding_window (transformers' DynamicCache then keeps the last window - 1 positions): calls
     within the window stay on the fast path, longer ones fall back, saying so once."""
     windowed = _olmoe(seed=2, num_layers=1, sliding_window=10)
-    short = random_prompts(2, vocab_size=512, min_len=3, max_len=6, seed=5)  # <= 6 + 4 positions: inside
-    long = random_prompts(2, vocab_size=512, min_len=9, max_len=11, seed=6)  # up to 11 + 4: past the window
-    want_short = windowed.generate(**short, max_new_tokens=4, do_sample=False)
-    want_long = windowed.generate(**long, max_new_tokens=4, do_sample=False)
-    moegraph.patch(windowed, max_batch_size=4)
-    caplog.set_level(logging.WARNING, logger="moegraph")
-    try:
-        assert torch.equal(windowed.generate(**short, max_new_tokens=4, do_sample=False), want_short)
-        assert moegraph.decode_stats(windowed).fallback_reason is None
-        for _ in range(2):  # the reason is logged once per model
-            assert torch.equal(windowed.generate(**long, max_new_tokens=4, do_sample=False), want_long)
-            assert "sliding_window=10" in moegraph.decode_stats(windowed).fallback_reason
-    finally:
-        moegraph.unpatch(windowed)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "sliding_window" in r.getMessage()]
-    assert len(warnings) == 1 and "falls back to transformers" in warnings[0].getMessage()
+    assert_sliding_window_falls_back(windowed, caplog)
     assert olmoe.check_positions(windowed, 10) is None and olmoe.check_positions(build_model("tiny-olmoe"), 10**6) \
         is None
 

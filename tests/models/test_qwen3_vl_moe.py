@@ -4,20 +4,20 @@ a dense mlp_only layer, prefill experts through moegraph's ExpertsInterface name
 fall back to transformers with one log line."""
 
 import logging
-from unittest import mock
 
 import pytest
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
 import moegraph
-import moegraph.moe.interface
 from moegraph.kernels import router_topk
 from moegraph.models import qwen3_vl_moe
 from moegraph.testing import build_model, make_config
 
-from _cases import eos_mid_batch_case, patched_generate
+from _cases import (assert_class_patch_greedy_equals_transformers,
+                    assert_patch_model_greedy_equals_transformers,
+                    assert_prefill_runs_moegraphs_experts,
+                    eos_mid_batch_case)
 
 VOCAB = 500  # text tokens below the tiny preset's image/video/vision-start/end ids (500-503)
 
@@ -37,15 +37,6 @@ def _model(seed=0, **overrides):
                 layer.mlp.experts.gate_up_proj.mul_(10)
                 layer.mlp.experts.down_proj.mul_(10)
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +87,7 @@ def test_layout_matches_qwen3_moe(model):
 
 
 def test_patch_model_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    got, stats = patched_generate(model, inputs, kwargs)
-    assert stats.fallback_reason is None and stats.steps > 0  # the fast loop ran
-    assert torch.equal(got, want)
+    assert_patch_model_greedy_equals_transformers(model, case)
 
 
 def test_chunks_and_text_token_types_equal_transformers(model, case):
@@ -118,35 +106,14 @@ def test_chunks_and_text_token_types_equal_transformers(model, case):
 
 
 def test_class_patch_greedy_equals_transformers(model, case):
-    inputs, kwargs, want = case
-    moegraph.patch(max_batch_size=4)
-    try:
-        built_after = _model()
-        assert moegraph.moe.interface.model_experts_implementation(built_after) == "moegraph"
-        for m in (model, built_after):  # one built before the class patch, one after
-            got = m.generate(**inputs, **kwargs)
-            assert moegraph.decode_stats(m).fallback_reason is None
-            assert torch.equal(got, want)
-    finally:
-        moegraph.unpatch()
-    assert not moegraph.is_patched(built_after)
+    assert_class_patch_greedy_equals_transformers(_model, model, case)
 
 
 def test_prefill_runs_moegraphs_experts(model, case):
     """The prefill's sparse blocks dispatch through transformers' ExpertsInterface to moegraph's name: one call per
     sparse layer over every prompt token (layer 1 is dense)."""
-    inputs, kwargs, want = case
-    moegraph.moe.interface.register_experts()
-    spy = mock.Mock(wraps=ALL_EXPERTS_FUNCTIONS._global_mapping["moegraph"])
-    moegraph.patch(model, max_batch_size=4)
-    try:
-        with mock.patch.dict(ALL_EXPERTS_FUNCTIONS._global_mapping, {"moegraph": spy}):
-            got = model.generate(**inputs, **kwargs)
-    finally:
-        moegraph.unpatch(model)
-    assert torch.equal(got, want)
-    assert spy.call_count == model.config.text_config.num_hidden_layers - 1
-    assert all(call.args[1].shape[0] == inputs["input_ids"].numel() for call in spy.call_args_list)
+    sparse_layers = model.config.text_config.num_hidden_layers - 1  # layer 1 is dense
+    assert_prefill_runs_moegraphs_experts(model, case, sparse_layers)
 
 
 def test_image_call_falls_back_with_one_log_line(model, case, caplog):
