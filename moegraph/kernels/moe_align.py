@@ -11,6 +11,7 @@ Capture-safe: grid fixed by N, no host sync.
 """
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK_I = 64  # pairs ranked per program

@@ -12,6 +12,7 @@ Capture-safe: grid (T, H / BLOCK).
 from __future__ import annotations
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK_H = 256  # a 2048-wide hidden row in 8 programs: enough programs for small T on 132 SMs

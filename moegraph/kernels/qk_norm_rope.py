@@ -11,7 +11,9 @@ Capture-safe: grid (b, Hq + Hkv), positions read on the device.
 """
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
+
 
 @triton.jit
 def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):

@@ -8,7 +8,9 @@ Capture-safe: one launch, grid fixed by R, no host sync.
 """
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,

@@ -10,7 +10,9 @@ Capture-safe: grid (T,), no host sync.
 """
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
+
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, index_ptr, num_experts, TOP_K: tl.constexpr,

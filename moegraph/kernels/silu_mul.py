@@ -6,6 +6,7 @@ Capture-safe: grid (N, I / BLOCK).
 """
 
 import torch
+
 from ._triton import pdl, pdl_wait, tl, triton
 
 BLOCK = 256  # 768-wide rows (Qwen3-30B-A3B) in 3 programs
