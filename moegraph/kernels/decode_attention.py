@@ -34,10 +34,11 @@ WAVES = 4  # programs to aim for per SM when choosing max_splits
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_stride, k_head_stride,
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_heads, k_row_stride, k_head_stride,
                   scale_log2, window, max_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False):
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, CACHE_ROWS: tl.constexpr = False,
+                  USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -60,7 +61,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_heads, k_row_
                     other=0.0)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats in tl.dot wrongly; the GPU keeps them
             q = q.to(tl.float32)
-        base = row * k_row_stride + kv * k_head_stride
+        cache_row = row
+        if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
+            cache_row = tl.load(rows_ptr + row)
+        base = cache_row.to(tl.int64) * k_row_stride + kv * k_head_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -136,12 +140,13 @@ def choose_max_splits(rows: int, kv_heads: int, capacity: int, device: torch.dev
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-                     max_splits: int | None = None) -> torch.Tensor:
+                     max_splits: int | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. window: keys visible to a query, itself included (None: all); sinks [Hq];
-    max_splits: override the launch's split count (tests)."""
+    max_splits: override the launch's split count (tests); cache_rows [b]: the cache row each query reads
+    (default: query row i reads cache row i; a prefill's prompt tokens share their row's)."""
     rows, q_heads, head_dim = q.shape
     _, kv_heads, capacity, _ = key_cache.shape
-    _check(q, key_cache, value_cache, positions, sinks)
+    _check(q, key_cache, value_cache, positions, sinks, cache_rows)
     group = q_heads // kv_heads
     if max_splits is None:
         max_splits = choose_max_splits(rows, kv_heads, capacity, q.device)
@@ -152,10 +157,10 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     windowed = window is not None
     window = window if windowed else 0
     _split_kernel[(rows, kv_heads, max_splits)](
-        q, key_cache, value_cache, positions, partial_acc, partial_ml, q_heads, key_cache.stride(0),
-        key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
+        q, key_cache, value_cache, positions, positions if cache_rows is None else cache_rows, partial_acc,
+        partial_ml, q_heads, key_cache.stride(0), key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK,
-        WINDOWED=windowed, UPCAST=_INTERPRET,
+        WINDOWED=windowed, UPCAST=_INTERPRET, CACHE_ROWS=cache_rows is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
         **pdl(q.device))
     _combine_kernel[(rows, q_heads)](
@@ -165,9 +170,12 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return out
 
 
-def _check(q, key_cache, value_cache, positions, sinks) -> None:
+def _check(q, key_cache, value_cache, positions, sinks, cache_rows=None) -> None:
     rows, q_heads, head_dim = q.shape
-    if key_cache.shape != value_cache.shape or key_cache.shape[0] < rows or key_cache.shape[3] != head_dim:
+    if cache_rows is not None and cache_rows.shape != (rows,):
+        raise ValueError(f"decode_attention: cache_rows {tuple(cache_rows.shape)}, want ({rows},)")
+    if (key_cache.shape != value_cache.shape or (cache_rows is None and key_cache.shape[0] < rows)
+            or key_cache.shape[3] != head_dim):
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not match caches {tuple(key_cache.shape)} / "
                          f"{tuple(value_cache.shape)}")
     if q_heads % key_cache.shape[1] or head_dim & (head_dim - 1) or head_dim < 16:
@@ -183,11 +191,15 @@ def _check(q, key_cache, value_cache, positions, sinks) -> None:
 
 def decode_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          positions: torch.Tensor, scale: float, window: int | None = None,
-                         sinks: torch.Tensor | None = None, max_splits: int | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, max_splits: int | None = None,
+                         cache_rows: torch.Tensor | None = None) -> torch.Tensor:
     """What transformers' attention computes for these rows: SDPA over the visible positions (a sink adds a
     column to the softmax that no value follows). max_splits is ignored (the kernel's tuning only)."""
     rows, q_heads, head_dim = q.shape
-    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    if cache_rows is None:
+        key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    else:  # each query row reads its cache row (a gathered copy: a reference, not a fast path)
+        key_cache, value_cache = key_cache[cache_rows], value_cache[cache_rows]
     kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
     visible = visible_positions(positions, capacity, window)  # [b, S]
     q = q.reshape(rows, kv_heads, q_heads // kv_heads, head_dim)  # the GQA group folds into the query axis

@@ -4,7 +4,8 @@ Inputs for b rows of one decode step: q [b, Hq*D], k [b, Hkv*D], v [b, Hkv*D] (p
 outputs), q_weight/k_weight [D] (the q_norm / k_norm weights; both None: RoPE only, for families
 without q/k-norm such as Mixtral), cos/sin [b, D], positions [b].
 Returns q_out [b, Hq, D]; writes k (normed, rotated) and v into key_cache/value_cache
-[rows, Hkv, S, D] at [row, head, positions[row]].
+[rows, Hkv, S, D] at [row, head, positions[row]], or at [cache_rows[row], head, positions[row]] when given
+(a prefill: each row one prompt token, several of them in one cache row).
 Rounds where transformers' eager path rounds (norm, then q*cos and rotate_half(q)*sin each
 rounded, then their sum), replacing ~30 small kernels of the eager path.
 Capture-safe: grid (b, Hq + Hkv), positions read on the device.
@@ -42,9 +43,10 @@ def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NO
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_out_ptr,
                          kc_ptr, vc_ptr, q_heads, kv_heads, kc_row_stride, kc_head_stride, eps,
-                         HEAD_DIM: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         HEAD_DIM: tl.constexpr, NORM: tl.constexpr, CACHE_ROWS: tl.constexpr = False,
+                         USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -67,7 +69,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         xb = tl.load(src + half + cols)
         oa, ob = _norm_rope_half(xa, xb, kw_ptr, cos_row, sin_row, eps, half, NORM)
         pos = tl.load(pos_ptr + row)
-        offset = row * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
+        cache_row = row
+        if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
+            cache_row = tl.load(rows_ptr + row)
+        offset = cache_row.to(tl.int64) * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
         tl.store(kc_ptr + offset + cols, oa.to(kc_ptr.dtype.element_ty))
         tl.store(kc_ptr + offset + half + cols, ob.to(kc_ptr.dtype.element_ty))
         vsrc = v_ptr + (row * kv_heads + kv) * HEAD_DIM
@@ -85,7 +90,8 @@ def _check_weights(q_weight, k_weight, head_dim: int) -> bool:
     return q_weight is not None
 
 
-def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps):
+def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps, cache_rows=None):
+    """cache_rows [b] (optional): the cache row each row's K/V go to (default: row i to cache row i)."""
     rows, head_dim = q.shape[0], key_cache.shape[-1]
     norm = _check_weights(q_weight, k_weight, head_dim)
     q_heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
@@ -99,13 +105,13 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, va
     if not norm:  # the kernel reads no weight when NORM is off: q stands in for the pointers
         q_weight, k_weight, eps = q, q, 0.0
     _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
-        q, k, v, q_weight, k_weight, cos, sin, positions, q_out, key_cache, value_cache,
-        q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim, NORM=norm,
-        **pdl(q.device))
+        q, k, v, q_weight, k_weight, cos, sin, positions, positions if cache_rows is None else cache_rows, q_out,
+        key_cache, value_cache, q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim,
+        NORM=norm, CACHE_ROWS=cache_rows is not None, **pdl(q.device))
     return q_out
 
 
-def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps):
+def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps, cache_rows=None):
     from .rms_norm import rms_norm_ref
 
     rows, head_dim = q.shape[0], key_cache.shape[-1]
@@ -119,7 +125,7 @@ def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
     q, k = rotate(q), rotate(k)
-    row_index = torch.arange(rows, device=q.device)
+    row_index = torch.arange(rows, device=q.device) if cache_rows is None else cache_rows
     key_cache[row_index, :, positions] = k.to(key_cache.dtype)
     value_cache[row_index, :, positions] = v.reshape(rows, -1, head_dim).to(value_cache.dtype)
     return q
