@@ -12,8 +12,10 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class FamilySteps:
-    # decode_step(model, cache, token_ids, positions, ops, rope_positions) -> logits [b, V] float32: the one-token
-    # forward over the static cache that each bucket's graph captures
+    # decode_step(model, cache, token_ids, positions, ops, rope_positions, cache_rows=None, logit_rows=None) ->
+    # logits [b, V] float32: the one-token forward over the static cache that each bucket's graph captures; with
+    # cache_rows the rows are tokens of those cache rows (a prompt's, each seeing its row up to its own position)
+    # and logit_rows picks the rows whose logits come back
     decode_step: Callable
     # check_positions(model, positions) -> reason | None: the longest call the step decodes exactly (a sliding
     # window, say); None: any length

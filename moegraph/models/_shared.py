@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
-# (attention module, hidden [b, H], cos, sin, positions, key_cache, value_cache, ops) -> [b, H]
+# (attention module, hidden [b, H], cos, sin, positions, key_cache, value_cache, ops, cache_rows=None) -> [b, H]
 Attention = Callable[..., torch.Tensor]
 # (MLP module, hidden [b, H], ops) -> [b, H]
 Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
@@ -32,7 +32,8 @@ def add_rms_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                            ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp,
                            text_model: nn.Module | None = None, rope_components: int = 1,
-                           add_norm: AddNorm = add_rms_norm) -> torch.Tensor:
+                           add_norm: AddNorm = add_rms_norm, cache_rows: torch.Tensor | None = None,
+                           logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
 
     text_model: the decoder stack (layers, embed_tokens, norm, rotary_emb), where it is not `model.model` (e.g.
@@ -43,6 +44,9 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     rope_positions [b]: the position ids RoPE uses, where they differ from `positions` (transformers counts a
     right-padded or custom-positioned row differently from its compact index); None: the same.
     add_norm: the residual add and the norm after it (default: the fused op; GPT-OSS rounds its norm otherwise).
+    cache_rows [b]: the cache row of each row's token (None: row i is cache row i); with it the rows can be the
+    tokens of prompts, several per cache row, each attending to its row's positions up to its own (a prefill).
+    logit_rows: the rows whose logits are returned (None: all), e.g. each prompt's last token.
     Per layer: add+RMSNorm, attention, add+RMSNorm, MLP; the residual adds are fused into the next norm."""
     inner = model.model if text_model is None else text_model
     layers = inner.layers
@@ -54,22 +58,35 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     residual, hidden = add_norm(layers[0].input_layernorm, residual, None, ops)
     for layer_idx, layer in enumerate(layers):
         attn_out = attention(layer.self_attn, hidden, cos, sin, positions, cache.keys[layer_idx],
-                             cache.values[layer_idx], ops)
+                             cache.values[layer_idx], ops, cache_rows=cache_rows)
         residual, hidden = add_norm(layer.post_attention_layernorm, residual, attn_out, ops)
         mlp_out = mlp(layer.mlp, hidden, ops)
         norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
         residual, hidden = add_norm(norm, residual, mlp_out, ops)
+    if logit_rows is not None:
+        hidden = hidden.index_select(0, logit_rows)
     return ops.linear(model.lm_head, hidden).float()
+
+
+def rows_of_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, rows: int,
+                  cache_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches the ops see: the first `rows` cache rows when row i is cache row i, else all of them (the ops
+    find each row's through cache_rows)."""
+    if cache_rows is None:
+        return key_cache[:rows], value_cache[:rows]
+    return key_cache, value_cache
 
 
 def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   positions: torch.Tensor, ops, window: int | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over its cached positions 0..positions[row], then o_proj:
     [b, Hq, D] -> [b, H]. ops.decode_attention reads each KV head once for its GQA group of query heads (and on
     CUDA only the row's live positions, however large the cache)."""
     rows = q.shape[0]
-    out = ops.decode_attention(q, key_cache[:rows], value_cache[:rows], positions, attn.scaling, window, sinks)
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
+    extra = {} if cache_rows is None else {"cache_rows": cache_rows}
+    out = ops.decode_attention(q, key_cache, value_cache, positions, attn.scaling, window, sinks, **extra)
     return ops.linear(attn.o_proj, out.reshape(rows, -1))
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward
+from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -59,22 +59,24 @@ def rotary_dim(model: nn.Module) -> int:
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None,
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): partial-RoPE attention with optional
     q/k-norm and q/k/v biases, MoE blocks with grouped sigmoid routing and shared experts (dense MLP layers first)."""
-    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp)
+    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
+                                  cache_rows=cache_rows, logit_rows=logit_rows)
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
-               ops) -> torch.Tensor:
+               ops, cache_rows=None) -> torch.Tensor:
     rows, head_dim = hidden.shape[0], attn.head_dim
-    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
     q, k, v = ops.qkv(attn, hidden)  # with q/k/v biases when attention_bias
     norms = (attn.q_norm, attn.k_norm) if attn.use_qk_norm else None
     if cos.shape[-1] == head_dim:  # whole-head RoPE: the fused op norms, rotates and writes K/V
         q_w, k_w, eps = (norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else (None, None, None)
-        q = ops.qk_norm_rope(q, k, v, q_w, k_w, cos, sin, positions, key_cache, value_cache, eps)
-        return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
+        q = ops.qk_norm_rope(q, k, v, q_w, k_w, cos, sin, positions, key_cache, value_cache, eps, cache_rows=cache_rows)
+        return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
     q, k = q.reshape(rows, -1, head_dim), k.reshape(rows, -1, head_dim)  # [b, Hq, D], [b, Hkv, D]
     if norms:
         q = ops.rms_norm(q, norms[0].weight, norms[0].variance_epsilon).reshape(rows, -1, head_dim)  # per head
@@ -84,8 +86,8 @@ def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_c
     identity_sin = torch.zeros(rows, head_dim, dtype=q.dtype, device=q.device)
     # rotation done: x * 1 + rotate_half(x) * 0 == x exactly; the op writes K/V at `positions` and returns q
     q = ops.qk_norm_rope(q.reshape(rows, -1), k.reshape(rows, -1), v, None, None, identity_cos, identity_sin,
-                         positions, key_cache, value_cache, None)  # [b, Hq, D]
-    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
+                         positions, key_cache, value_cache, None, cache_rows=cache_rows)  # [b, Hq, D]
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward
+from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -68,11 +68,12 @@ def check_prompt(model: nn.Module, attention_mask: torch.Tensor | None, position
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None,
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): biased attention with sinks,
     sliding-window layers where `layer_types` puts them, GPT-OSS's RMSNorm, MoE blocks with a biased router."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe,
-                                  add_norm=_add_norm)
+                                  add_norm=_add_norm, cache_rows=cache_rows, logit_rows=logit_rows)
 
 
 def _add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None, ops):
@@ -82,14 +83,15 @@ def _add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None, o
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
-               ops) -> torch.Tensor:
+               ops, cache_rows=None) -> torch.Tensor:
     rows = hidden.shape[0]
-    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
     q, k, v = ops.qkv(attn, hidden)  # with q/k/v biases
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # [b, 1, D/2] -> [b, 1, D]
-    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
+    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None,
+                         cache_rows=cache_rows)  # [b, Hq, D]
     return gqa_attention(attn, q, key_cache, value_cache, positions, ops, window=attn.sliding_window,
-                         sinks=attn.sinks)
+                         sinks=attn.sinks, cache_rows=cache_rows)
 
 
 def route(router: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward, sliding_window_check
+from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache, sliding_window_check
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -31,19 +31,22 @@ check_positions = sliding_window_check
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None,
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): RoPE-only attention, MoE blocks."""
-    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe)
+    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe,
+                                  cache_rows=cache_rows, logit_rows=logit_rows)
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
-               ops) -> torch.Tensor:
+               ops, cache_rows=None) -> torch.Tensor:
     rows = hidden.shape[0]
-    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
     q, k, v = ops.qkv(attn, hidden)
     # no q/k-norm: RoPE only, K/V written at `positions`
-    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None)  # [b, Hq, D]
-    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
+    q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None,
+                         cache_rows=cache_rows)  # [b, Hq, D]
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:

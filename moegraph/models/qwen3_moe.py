@@ -17,27 +17,30 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward
+from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None,
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): q/k-norm attention, MoE blocks
     (dense MLP layers, `mlp_only_layers`, through their own module)."""
-    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp)
+    return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
+                                  cache_rows=cache_rows, logit_rows=logit_rows)
 
 
 def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
-               ops) -> torch.Tensor:
+               ops, cache_rows=None) -> torch.Tensor:
     rows = hidden.shape[0]
-    key_cache, value_cache = key_cache[:rows], value_cache[:rows]
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
     q, k, v = ops.qkv(attn, hidden)
+    # [b, Hq, D]; K/V written at `positions` (of each row's cache row)
     q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
-                         value_cache, attn.q_norm.variance_epsilon)  # [b, Hq, D]; K/V written at `positions`
-    return gqa_attention(attn, q, key_cache, value_cache, positions, ops)
+                         value_cache, attn.q_norm.variance_epsilon, cache_rows=cache_rows)
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
 def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:

@@ -71,12 +71,14 @@ def text_position_ids(position_ids: torch.Tensor) -> torch.Tensor | str:
 
 
 def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ops, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   ops, rope_positions: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None,
+                   logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward over model.model.language_model):
     Qwen3-MoE's q/k-norm attention, MoE blocks with an always-renormalised router (dense MLP layers through their
     own module)."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
-                                  text_model=model.model.language_model, rope_components=3)
+                                  text_model=model.model.language_model, rope_components=3,
+                                  cache_rows=cache_rows, logit_rows=logit_rows)
 
 
 def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
