@@ -33,7 +33,9 @@ import moegraph
 from moegraph.testing import build_model, random_prompts
 
 BACKENDS = ("hf", "hf_batched_mm", "hf_static_compile", "moegraph_eager", "moegraph")
-PRIORITY = ("moegraph", "hf", "moegraph_eager", "hf_batched_mm", "hf_static_compile")
+# run only when named: moegraph with patch(prefill="graphs") (the prompts as token rows of a captured decode step)
+OPT_IN_BACKENDS = ("moegraph_prefill",)
+PRIORITY = ("moegraph", "hf", "moegraph_prefill", "moegraph_eager", "hf_batched_mm", "hf_static_compile")
 # --quant nf4 adds, on the same model quantized in place after the bf16 cases:
 # hf_4bit: transformers as load_in_4bit leaves it (Linear4bit projections, experts still bf16);
 # moegraph_nf4: moegraph with NF4 experts and Linear4bit projections.
@@ -216,7 +218,8 @@ class Runner:
         if backend != "moegraph_nf4":
             model.set_experts_implementation("batched_mm" if backend == "hf_batched_mm" else "grouped_mm")
         if backend.startswith("moegraph"):
-            moegraph.patch(model, cuda_graphs=backend != "moegraph_eager", max_batch_size=max(batch_size, 1))
+            moegraph.patch(model, cuda_graphs=backend != "moegraph_eager", max_batch_size=max(batch_size, 1),
+                           prefill="graphs" if backend == "moegraph_prefill" else "transformers")
 
     def teardown(self):
         moegraph.unpatch(self.model)
@@ -354,7 +357,7 @@ def _plot(results, path):
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for backend in BACKENDS + QUANT_BACKENDS + ("roofline",):
+    for backend in BACKENDS + OPT_IN_BACKENDS + QUANT_BACKENDS + ("roofline",):
         key = "roofline_tok_s" if backend == "roofline" else "tok_s"
         points = sorted((c["batch_size"], c[key]) for c in results["cases"]
                         if (backend == "roofline" and c["backend"] == "moegraph") or c["backend"] == backend)
@@ -384,9 +387,10 @@ def run_cases(model, batch_sizes, backends=("hf", "moegraph"), *, new_tokens: in
     """
     from types import SimpleNamespace
 
-    unknown = set(backends) - set(BACKENDS)
+    unknown = set(backends) - set(BACKENDS + OPT_IN_BACKENDS)
     if unknown:
-        raise moegraph.InvalidArgumentError(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
+        raise moegraph.InvalidArgumentError(f"unknown backends {sorted(unknown)}; choose from "
+                                            f"{BACKENDS + OPT_IN_BACKENDS}")
     device = next(model.parameters()).device
     bandwidth = measure_copy_bandwidth(device)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -443,7 +447,7 @@ class Session:
 
     def backends(self, default: str) -> list:
         names = (self.args.backends or default).split(",")
-        return sorted((b for b in BACKENDS if b in names), key=PRIORITY.index)
+        return sorted((b for b in BACKENDS + OPT_IN_BACKENDS if b in names), key=PRIORITY.index)
 
     def batch_sizes(self, default: str) -> list:
         return [int(b) for b in (self.args.batch_sizes or default).split(",")]
@@ -455,9 +459,9 @@ class Session:
 def _check_args(args) -> str | None:
     from moegraph.testing.models import CONFIGS
 
-    unknown = set((args.backends or "").split(",")) - set(BACKENDS) - {""}
+    unknown = set((args.backends or "").split(",")) - set(BACKENDS + OPT_IN_BACKENDS) - {""}
     if unknown:
-        return f"unknown backends {sorted(unknown)}; choose from {BACKENDS}"
+        return f"unknown backends {sorted(unknown)}; choose from {BACKENDS + OPT_IN_BACKENDS}"
     if args.model not in CONFIGS:
         return f"unknown --model {args.model!r}; choose one of {sorted(CONFIGS)}"
     if args.double_quant and args.quant != "nf4":
@@ -557,7 +561,8 @@ def _decode_mode(session: Session) -> str:
         results["loading"] = measure_nf4_loading(args.model, results["num_layers"], getattr(torch, args.dtype),
                                                  args.double_quant)
         print(f"NF4 random-weight build, one layer at a time: {results['loading']}", flush=True)
-    cases.sort(key=lambda c: (c.batch_size, c.sample, (BACKENDS + QUANT_BACKENDS).index(c.backend)))
+    order = BACKENDS + OPT_IN_BACKENDS + QUANT_BACKENDS
+    cases.sort(key=lambda c: (c.batch_size, c.sample, order.index(c.backend)))
     results["cases"] = [asdict(c) for c in cases]
     return decode_table(cases, prompt=False, host=args.sample)
 

@@ -8,6 +8,7 @@ from .errors import InvalidArgumentError
 from .moe.select import validate_backend_name
 
 SAMPLING_MODES = ("auto", "device", "transformers")
+PREFILL_MODES = ("transformers", "graphs")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class PatchOptions:
     max_seq_len: int | None = None  # positions of the static cache; None: sized by the calls, grown on demand
     check_every: int = 8  # decode steps between host checks of "all rows finished"
     sampling: str = "auto"  # "auto" (device on CUDA) | "device" | "transformers" (its processors + multinomial)
+    # "transformers" (its forward) | "graphs": prompts of up to 512 tokens through moegraph's decode step, one row per
+    # token, captured per bucket on CUDA (new: not yet the default; cuda_graph/prefill.py)
+    prefill: str = "transformers"
 
     def __post_init__(self):
         validate_backend_name(self.moe_backend)
@@ -27,6 +31,9 @@ class PatchOptions:
             raise InvalidArgumentError(f"max_seq_len must be an int >= 2 or None (grow on demand), got {self.max_seq_len!r}")
         if not isinstance(self.check_every, int) or self.check_every < 1:
             raise InvalidArgumentError(f"check_every must be a positive int, got {self.check_every!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise InvalidArgumentError(f"prefill must be one of {', '.join(map(repr, PREFILL_MODES))}, got "
+                                       f"{self.prefill!r}")
         if self.sampling not in SAMPLING_MODES:
             raise InvalidArgumentError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got "
                                        f"{self.sampling!r}")

@@ -124,6 +124,15 @@ def test_bench_long_sampled_run_and_time_to_first_token(tmp_path):
     assert all(r["prefill_ms"] > 0 for r in ttft if r["backend"] == "moegraph")
 
 
+def test_bench_ttft_of_the_token_row_prefill_when_named(tmp_path):
+    """moegraph_prefill runs only when named: moegraph with patch(prefill="graphs"), beside the others."""
+    results = _bench(tmp_path, "--ttft", "6", "--batch-sizes", "2", "--backends", "moegraph,moegraph_prefill")
+    ttft = {r["backend"]: r for r in results["ttft_cases"]}
+    assert set(ttft) == {"moegraph", "moegraph_prefill"}
+    assert all(r["status"] == "ok" and r["ttft_ms"] > 0 for r in ttft.values())
+    assert build_parser().parse_args(["bench"]).backends is None  # the default decode table leaves it out
+
+
 def test_bench_profile_decode_and_prefill(tmp_path, capsys):
     results = _bench(tmp_path, "--profile", "all", "--profile-prompt-len", "6")
     profile = results["profile"]

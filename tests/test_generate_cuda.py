@@ -17,11 +17,12 @@ def model():
     return build_model("qwen3-30b-a3b", num_layers=2, device="cuda", dtype=torch.bfloat16, seed=0)
 
 
-def _generate(model, inputs, **options):
+def _generate(model, inputs, use_cache=None, **options):
     moegraph.patch(model, **options)
     try:
+        cache = {} if use_cache is None else {"use_cache": use_cache}  # use_cache=False: no cache returned
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
+                             return_dict_in_generate=True, output_logits=True, **cache)
         stats = moegraph.decode_stats(model)
     finally:
         moegraph.unpatch(model)
@@ -39,6 +40,26 @@ def test_captured_equals_eager_bit_exact(model, batch_size):
         assert torch.equal(graph_out.sequences, eager_out.sequences)
         for a, b in zip(graph_out.logits, eager_out.logits):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5, 8])
+def test_prefill_graphs_captured_equals_eager_and_follows_transformers_prefill(model, batch_size):
+    """patch(prefill="graphs"): the prefill's replayed graph equals its eager run bit for bit (first logits and every
+    token after), and its first logits are within bf16 rounding of transformers' prefill on the same prompts."""
+    for prompt_seed in range(2):
+        inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=64,
+                                seed=prompt_seed, device="cuda")
+        kw = dict(max_batch_size=16, prefill="graphs")
+        graph_out, graph_stats = _generate(model, inputs, use_cache=False, **kw)
+        eager_out, eager_stats = _generate(model, inputs, use_cache=False, cuda_graphs=False, **kw)
+        hf_out, hf_stats = _generate(model, inputs, use_cache=False, max_batch_size=16)
+        assert graph_stats.prefill == eager_stats.prefill == "graphs" and graph_stats.graphs
+        assert hf_stats.prefill.startswith("transformers")
+        assert torch.equal(graph_out.sequences, eager_out.sequences)
+        for a, b in zip(graph_out.logits, eager_out.logits):
+            assert torch.equal(a, b)
+        first, want = graph_out.logits[0].float(), hf_out.logits[0].float()
+        assert ((first - want).norm() / want.norm()) < 0.02  # bf16 rounding of the same prompt
 
 
 def test_agreement_with_pure_transformers(model, capsys):

@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError
 from ..moe.interface import backend_of, model_experts_implementation
 from ..ops import ops_for_model
 from ..options import PatchOptions
-from . import hf_cache, sampling, support
+from . import hf_cache, prefill, sampling, support
 from .family import FamilySteps
 from .graphs import BucketGraphs, StaticInputs, batch_buckets, bucket_for, weight_slots, weights_signature
 from .static_cache import SEQ_ALIGN, StaticKVCache, compaction_order, round_up
@@ -54,6 +54,8 @@ class DecodeStats:
     # "device" (moegraph's sampler), "transformers: <why>" (host path), "greedy" (argmax; with processors on the
     # host: "greedy: <why>") or "greedy: device processors" (a greedy call's processors in moegraph's sampler)
     sampling: str | None = None
+    # "graphs" (token rows through the decode step, cuda_graph/prefill.py) or "transformers: <why>"
+    prefill: str | None = None
 
     @property
     def host_ms_per_step(self) -> float:
@@ -135,6 +137,8 @@ class GraphDecoder:
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
         self.graphs: BucketGraphs | None = None
+        self.prefill_graphs: BucketGraphs | None = None  # keyed (batch bucket, token bucket)
+        self.prefill_inputs: prefill.PrefillInputs | None = None
         self.stats = DecodeStats()
         self._warned: set[str] = set()
         self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
@@ -181,9 +185,10 @@ class GraphDecoder:
             self._lock.release()
 
     def _free(self) -> None:
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = self.cache = self.inputs = None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prefill_graphs = self.cache = self.inputs = self.prefill_inputs = None
         self._samplers = {}  # their graphs read the decode graphs' logits
         self._weight_slots, self._weights = [], ()
 
@@ -482,19 +487,15 @@ class GraphDecoder:
         kwargs = prompt.rows_kwargs(part, all_input_ids.shape[0])
         rope_start = prompt.rope_start[part]
         mask = kwargs.get("attention_mask")
-        if not prompt.keep_cache:  # the prompt's K/V live only until they are in the static cache
-            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
-        elif whole_batch:
-            prefill_cache = prompt.cache  # transformers' (or the user's) cache: it ends up holding the call
+        token_rows = self._token_rows(stats, prompt, kwargs, input_ids, rope_start)
+        if token_rows is not None:  # the prompts as rows of the decode step, straight into the static cache
+            captured_before, seconds_before = self.graphs_captured, self.capture_seconds
+            logits, lengths, prefill_cache = self._prefill_rows(token_rows, use_graphs), token_rows.lengths, None
+            stats.captures += self.graphs_captured - captured_before
+            stats.capture_seconds += self.capture_seconds - seconds_before
         else:
-            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
-        logits = self._prefill(input_ids, kwargs, prefill_cache, prompt)
-        order, lengths = compaction_order(mask)
-        if lengths is None:
-            lengths = torch.full((rows,), prompt.kv_width, dtype=torch.long, device=device)
-        self.cache.load_prefill(hf_cache.layers_kv(prefill_cache, prompt.kv_width), order)
-        if not prompt.keep_cache:
-            prefill_cache = None
+            logits, lengths, prefill_cache = self._prefill_with_transformers(input_ids, kwargs, prompt, part,
+                                                                             whole_batch)
         self.inputs.clear()  # padding rows of a bucket read token 0 at position 0 of their own rows
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -545,6 +546,38 @@ class GraphDecoder:
         if call.keep_logits:
             del call.raw_logits[len(call.raw_logits) - (step + 1 - produced):]
         return _Rows(tokens[:, :prompt_len + produced], produced, prefill_cache, mask, rope_start)
+
+    def _token_rows(self, stats: DecodeStats, prompt: _Prompt, kwargs: dict, input_ids, rope_start):
+        """The chunk's prompts as token rows when prefill="graphs" takes them, else None (stats say why not)."""
+        why = prefill.why_not_graphs(self.options.prefill, prompt)
+        rows = None
+        if why is None:
+            positions = prefill.text_positions(kwargs.get("position_ids"))
+            if isinstance(positions, str):
+                why = positions
+            else:
+                rows = prefill.token_rows(input_ids, kwargs.get("attention_mask"), rope_start, positions)
+                if rows.count > prefill.MAX_TOKENS:
+                    why = f"{rows.count} prompt tokens (token rows up to {prefill.MAX_TOKENS})"
+        stats.prefill = "graphs" if why is None else f"transformers: {why}"
+        return rows if why is None else None
+
+    def _prefill_with_transformers(self, input_ids, kwargs: dict, prompt: _Prompt, part: slice, whole_batch: bool):
+        """transformers' forward over the prompt, its K/V then copied into the static cache: (first logits, lengths
+        [n], the transformers cache the call keeps, else None)."""
+        rows = input_ids.shape[0]
+        if not prompt.keep_cache:  # the prompt's K/V live only until they are in the static cache
+            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+        elif whole_batch:
+            prefill_cache = prompt.cache  # transformers' (or the user's) cache: it ends up holding the call
+        else:
+            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+        logits = self._prefill(input_ids, kwargs, prefill_cache, prompt)
+        order, lengths = compaction_order(kwargs.get("attention_mask"))
+        if lengths is None:
+            lengths = torch.full((rows,), prompt.kv_width, dtype=torch.long, device=input_ids.device)
+        self.cache.load_prefill(hf_cache.layers_kv(prefill_cache, prompt.kv_width), order)
+        return logits, lengths, prefill_cache if prompt.keep_cache else None
 
     def _select(self, call: _Call, input_ids: torch.Tensor, logits: torch.Tensor, sample=None) -> torch.Tensor:
         if call.keep_logits:
@@ -622,6 +655,31 @@ class GraphDecoder:
         return self.decode_step(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
                               self.ops, self.inputs.rope_positions[:rows])
 
+    def _prefill_forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The decode step over token rows: logits [batch bucket, V] of each prompt's last token."""
+        batch, tokens = key
+        p = self.prefill_inputs
+        return self.decode_step(self.model, self.cache, p.token_ids[:tokens], p.positions[:tokens], self.ops,
+                                p.rope_positions[:tokens], cache_rows=p.cache_rows[:tokens], logit_rows=p.last[:batch])
+
+    def _prefill_rows(self, rows: prefill.TokenRows, use_graphs: bool) -> torch.Tensor:
+        """First logits [n, V] float32 of the n prompts in `rows`, their K/V written into the static cache."""
+        n = rows.last.shape[0]
+        key = (bucket_for(n, self.buckets), prefill.token_bucket(rows.count))
+        self.prefill_inputs.load(rows, key[1], key[0], spare_position=self.cache.positions - 1)
+        if use_graphs:
+            if key not in self.prefill_graphs.graphs:
+                try:
+                    captured, seconds = self.prefill_graphs.capture([key], self.model.device, show_progress=False)
+                except torch.OutOfMemoryError as exc:
+                    raise self._out_of_memory(f"capturing a prefill graph ({key[1]} token rows)", exc) from None
+                self.graphs_captured += captured
+                self.capture_seconds += seconds
+            return self.prefill_graphs.replay(key)[:n].clone()
+        if self.ops.device.type == "cuda":  # the replay's shapes: the eager loop equals it bit for bit
+            return self._prefill_forward(key)[:n]
+        return self._prefill_forward((n, rows.count))
+
     # ----- static cache and graphs ------------------------------------------------------------
     def _ensure_capacity(self, rows: int, positions: int, use_graphs: bool | None = None) -> None:
         """Grow the static cache (re-capturing graphs) when a call needs more rows or positions.
@@ -671,15 +729,17 @@ class GraphDecoder:
         try:
             cache = StaticKVCache.allocate(**layout)
             inputs = StaticInputs.allocate(rows, device)
+            prefill_inputs = prefill.PrefillInputs.allocate(rows, device)
         except torch.OutOfMemoryError as exc:
             gb = StaticKVCache.bytes_for(**layout) / 1e9
             raise self._out_of_memory(f"allocating a static KV cache of {rows} rows x {positions} positions "
                                       f"({gb:.2f} GB)", exc) from None
         ops, graphs, slots = self._ops(), BucketGraphs(step=self._forward), weight_slots(self.model)
+        prefill_graphs = BucketGraphs(step=self._prefill_forward)
         self._free()
         # one statement: a KeyboardInterrupt cannot leave a cache without its graphs or weight pointers
-        self.cache, self.inputs, self.ops, self.graphs, self._weight_slots, self._weights = (
-            cache, inputs, ops, graphs, slots, weights_signature(slots))
+        (self.cache, self.inputs, self.prefill_inputs, self.ops, self.graphs, self.prefill_graphs, self._weight_slots,
+         self._weights) = (cache, inputs, prefill_inputs, ops, graphs, prefill_graphs, slots, weights_signature(slots))
         logger.info("moegraph: static KV cache of %d rows x %d positions (%.2f GB)", rows, positions,
                     self.cache.nbytes() / 1e9)
 

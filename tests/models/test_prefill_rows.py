@@ -54,3 +54,23 @@ def test_prompt_tokens_as_rows_equal_transformers_and_one_token_at_a_time(name):
     for mine, theirs in zip(cache.keys + cache.values, one.keys + one.values):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     assert all((k[2] == 0).all() for k in cache.keys)  # no token wrote into a row it does not belong to
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_prefill_graphs_gives_transformers_tokens(name):
+    """patch(prefill="graphs"): the whole call (left-padded prompts of unequal length, an EOS mid-batch) with its
+    prefill as token rows gives unpatched transformers' tokens."""
+    import moegraph
+    from _cases import eos_mid_batch_case, patched_generate
+
+    model = build_model(name, seed=0)
+    inputs, kwargs, want = eos_mid_batch_case(model, vocab_size=min(model.config.get_text_config().vocab_size, 500))
+    got, stats = patched_generate(model, inputs, kwargs, prefill="graphs")
+    assert stats.prefill == "graphs" and stats.fallback_reason is None
+    assert torch.equal(got, want)
+    moegraph.patch(model, max_batch_size=2, prefill="graphs")  # 3 rows: two chunks, each its own token rows
+    try:
+        assert torch.equal(model.generate(**inputs, **kwargs), want)
+        assert moegraph.decode_stats(model).chunks == 2
+    finally:
+        moegraph.unpatch(model)

@@ -1,0 +1,89 @@
+"""patch(prefill="graphs") on the CPU (the eager form of what CUDA replays): which calls take it, which keep
+transformers' prefill and say why, and that both give transformers' tokens. Every family: tests/models/test_prefill_rows.py."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import moegraph
+from moegraph.cuda_graph import prefill
+from moegraph.cuda_graph.hf_cache import forward_cache_argument
+from moegraph.testing import build_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=0)
+
+
+def _generate(model, inputs, **kwargs):
+    moegraph.patch(model, max_batch_size=4, prefill="graphs")
+    try:
+        return model.generate(**inputs, **kwargs), moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+
+
+def test_token_buckets_and_rows():
+    assert [prefill.token_bucket(n) for n in (1, 16, 17, 300, 512)] == [16, 16, 32, 512, 512]
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    rows = prefill.token_rows(ids, mask, rope_start=torch.tensor([2, 4]))
+    assert rows.token_ids.tolist() == [5, 6, 7, 8, 9, 10] and rows.cache_rows.tolist() == [0, 0, 1, 1, 1, 1]
+    assert rows.positions.tolist() == [0, 1, 0, 1, 2, 3] and rows.rope_positions.tolist() == [0, 1, 0, 1, 2, 3]
+    assert rows.last.tolist() == [1, 5] and rows.lengths.tolist() == [2, 4]
+    shifted = prefill.token_rows(ids, mask, torch.tensor([2, 4]), position_ids=torch.arange(4).expand(2, 4) + 10)
+    assert shifted.rope_positions.tolist() == [12, 13, 10, 11, 12, 13]  # given position ids win
+    assert "differ" in prefill.text_positions(torch.stack([torch.zeros(2, 4), torch.ones(2, 4)]))
+
+
+def test_prefill_option_is_checked(model):
+    with pytest.raises(moegraph.InvalidArgumentError, match="prefill must be one of"):
+        moegraph.patch(model, prefill="gpu")
+
+
+def test_sampled_call_with_token_rows_draws_what_transformers_prefill_draws(model):
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=2)
+    sampled = dict(max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20)
+    moegraph.patch(model, max_batch_size=4, sampling="device")
+    try:
+        torch.manual_seed(5)
+        want = model.generate(**inputs, **sampled)
+    finally:
+        moegraph.unpatch(model)
+    moegraph.patch(model, max_batch_size=4, sampling="device", prefill="graphs")
+    try:
+        torch.manual_seed(5)
+        got = model.generate(**inputs, **sampled)
+        assert moegraph.decode_stats(model).prefill == "graphs"
+    finally:
+        moegraph.unpatch(model)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("returned_cache", "keeps a transformers cache"),
+    ("continued", "keeps a transformers cache"),
+    ("embeds", "inputs_embeds"),
+    ("long", "prompt tokens (token rows up to 512)"),
+])
+def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
+    inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3)
+    kwargs = dict(max_new_tokens=4, do_sample=False)
+    if case == "returned_cache":
+        kwargs.update(return_dict_in_generate=True, use_cache=True)
+    elif case == "continued":  # a cache passed in (empty): transformers' prefill fills it, and it is the user's
+        kwargs[forward_cache_argument(model)] = None
+    elif case == "embeds":
+        inputs = dict(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]),
+                      attention_mask=inputs["attention_mask"])
+    else:
+        inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3, min_len=260, max_len=300)
+    fresh = {k: DynamicCache(config=model.config) if v is None else v for k, v in kwargs.items()}
+    want = model.generate(**inputs, **fresh)
+    got, stats = _generate(model, inputs, **{k: DynamicCache(config=model.config) if v is None else v
+                                             for k, v in kwargs.items()})
+    assert stats.fallback_reason is None and stats.prefill.startswith("transformers: ") and why in stats.prefill
+    want_ids = want if isinstance(want, torch.Tensor) else want.sequences
+    got_ids = got if isinstance(got, torch.Tensor) else got.sequences
+    assert torch.equal(got_ids, want_ids)
