@@ -142,6 +142,7 @@ class GraphDecoder:
         self.stats = DecodeStats()
         self._warned: set[str] = set()
         self._capture_error: str | None = None  # set when a capture failed: decode eagerly from then on
+        self._prefill_capture_error: str | None = None  # the same for the prefill graphs
         self.ops = None  # the OpTable of the decode step, resolved with the static cache
         self._weight_slots: list = []  # where the step reads its weights (graphs.weight_slots), with the cache
         self._weights: tuple = ()  # their storage pointers when the cache and graphs were built
@@ -667,12 +668,18 @@ class GraphDecoder:
         n = rows.last.shape[0]
         key = (bucket_for(n, self.buckets), prefill.token_bucket(rows.count))
         self.prefill_inputs.load(rows, key[1], key[0], spare_position=self.cache.positions - 1)
-        if use_graphs:
+        if use_graphs and self._prefill_capture_error is None:
             if key not in self.prefill_graphs.graphs:
                 try:
                     captured, seconds = self.prefill_graphs.capture([key], self.model.device, show_progress=False)
                 except torch.OutOfMemoryError as exc:
                     raise self._out_of_memory(f"capturing a prefill graph ({key[1]} token rows)", exc) from None
+                except Exception as exc:  # the same step, eagerly: the same first token
+                    first_line = str(exc).splitlines()[0] if str(exc) else ""
+                    self._prefill_capture_error = f"{type(exc).__name__}: {first_line}"
+                    self._warn_once(f"moegraph: capturing the prefill graph failed ({self._prefill_capture_error}); "
+                                    "running the token-row prefill eagerly")
+                    return self._prefill_forward(key)[:n]
                 self.graphs_captured += captured
                 self.capture_seconds += seconds
             return self.prefill_graphs.replay(key)[:n].clone()
