@@ -66,6 +66,7 @@ def test_sampled_call_with_token_rows_draws_what_transformers_prefill_draws(mode
     ("continued", "keeps a transformers cache"),
     ("embeds", "inputs_embeds"),
     ("long", "prompt tokens (token rows up to 512)"),
+    ("right_padding", "padding after a prompt"),
 ])
 def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
     inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3)
@@ -77,6 +78,10 @@ def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
     elif case == "embeds":
         inputs = dict(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]),
                       attention_mask=inputs["attention_mask"])
+    elif case == "right_padding":  # what transformers does with it (it warns): the first token from a pad column
+        mask = inputs["attention_mask"].flip(1)
+        inputs = dict(input_ids=inputs["input_ids"].flip(1), attention_mask=mask)
+        assert not mask[:, -1].all()
     else:
         inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3, min_len=260, max_len=300)
     fresh = {k: DynamicCache(config=model.config) if v is None else v for k, v in kwargs.items()}
@@ -87,3 +92,19 @@ def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
     want_ids = want if isinstance(want, torch.Tensor) else want.sequences
     got_ids = got if isinstance(got, torch.Tensor) else got.sequences
     assert torch.equal(got_ids, want_ids)
+
+
+def test_masked_columns_inside_a_prompt_are_dropped_as_transformers_masks_them(model):
+    """A 0 inside a row's mask (not only left padding): the token rows skip it, as the static cache does, and the
+    call gives what transformers' prefill gives on the fast path."""
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(input_ids=torch.randint(3, model.config.vocab_size, (3, 8), generator=g),
+                  attention_mask=torch.tensor([[1] * 8, [1, 1, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 1, 1]]))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    moegraph.patch(model, max_batch_size=4)
+    try:
+        want = model.generate(**inputs, **kwargs)
+    finally:
+        moegraph.unpatch(model)
+    got, stats = _generate(model, inputs, **kwargs)
+    assert stats.prefill == "graphs" and torch.equal(got, want)

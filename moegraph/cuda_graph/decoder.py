@@ -554,10 +554,13 @@ class GraphDecoder:
         rows = None
         if why is None:
             positions = prefill.text_positions(kwargs.get("position_ids"))
+            mask = kwargs.get("attention_mask")
             if isinstance(positions, str):
                 why = positions
+            elif mask is not None and not bool(mask[:, -1].all()):  # one host sync per chunk
+                why = "padding after a prompt (transformers predicts its first token from the last column, padding)"
             else:
-                rows = prefill.token_rows(input_ids, kwargs.get("attention_mask"), rope_start, positions)
+                rows = prefill.token_rows(input_ids, mask, rope_start, positions)
                 if rows.count > prefill.MAX_TOKENS:
                     why = f"{rows.count} prompt tokens (token rows up to {prefill.MAX_TOKENS})"
         stats.prefill = "graphs" if why is None else f"transformers: {why}"
