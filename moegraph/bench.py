@@ -77,6 +77,7 @@ class TtftCase:
     ttft_ms: float = math.nan  # median wall time of generate(max_new_tokens=1), synchronized before and after
     min_ms: float = math.nan
     prefill_ms: float = math.nan  # moegraph: the decoder's own prefill part of it (decode_stats)
+    prefill: str = ""  # moegraph: which prefill ran (decode_stats().prefill: "graphs" or "transformers: <why>")
     first_call_s: float = math.nan
     capture_s: float = math.nan
     notes: list = field(default_factory=list)
@@ -346,6 +347,7 @@ class Runner:
         case.min_ms = 1e3 * min(times)
         if case.backend.startswith("moegraph"):
             case.prefill_ms = 1e3 * statistics.median(s.prefill_seconds for s in stats)
+            case.prefill = stats[-1].prefill or ""
 
 
 def _plot(results, path):

@@ -88,7 +88,7 @@ def _ttft_table(cases: list[TtftCase]) -> str:
                      ("prompt", num("prompt_len", "d")), ("TTFT ms", num("ttft_ms", ".2f")),
                      ("min ms", num("min_ms", ".2f")), ("of it prefill ms", num("prefill_ms", ".2f")),
                      ("vs hf", vs_hf), ("runs", num("runs", "d")), ("1st call s", num("first_call_s")),
-                     ("status", status)], cases)
+                     ("prefill", lambda c: c.prefill or "-"), ("status", status)], cases)
 
 
 def profile_mode(session: Session) -> str:

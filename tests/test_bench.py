@@ -129,6 +129,7 @@ def test_bench_ttft_of_the_token_row_prefill_when_named(tmp_path):
     results = _bench(tmp_path, "--ttft", "6", "--batch-sizes", "2", "--backends", "moegraph,moegraph_prefill")
     ttft = {r["backend"]: r for r in results["ttft_cases"]}
     assert set(ttft) == {"moegraph", "moegraph_prefill"}
+    assert ttft["moegraph_prefill"]["prefill"] == "graphs" and ttft["moegraph"]["prefill"].startswith("transformers")
     assert all(r["status"] == "ok" and r["ttft_ms"] > 0 for r in ttft.values())
     assert build_parser().parse_args(["bench"]).backends is None  # the default decode table leaves it out
 
