@@ -61,10 +61,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
                     other=0.0)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats in tl.dot wrongly; the GPU keeps them
             q = q.to(tl.float32)
-        cache_row = row
         if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
-            cache_row = tl.load(rows_ptr + row)
-        base = cache_row.to(tl.int64) * k_row_stride + kv * k_head_stride
+            base = tl.load(rows_ptr + row) * k_row_stride + kv * k_head_stride
+        else:
+            base = row * k_row_stride + kv * k_head_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)

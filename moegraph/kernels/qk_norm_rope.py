@@ -69,10 +69,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         xb = tl.load(src + half + cols)
         oa, ob = _norm_rope_half(xa, xb, kw_ptr, cos_row, sin_row, eps, half, NORM)
         pos = tl.load(pos_ptr + row)
-        cache_row = row
         if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
-            cache_row = tl.load(rows_ptr + row)
-        offset = cache_row.to(tl.int64) * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
+            offset = tl.load(rows_ptr + row) * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
+        else:
+            offset = row * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
         tl.store(kc_ptr + offset + cols, oa.to(kc_ptr.dtype.element_ty))
         tl.store(kc_ptr + offset + half + cols, ob.to(kc_ptr.dtype.element_ty))
         vsrc = v_ptr + (row * kv_heads + kv) * HEAD_DIM
