@@ -398,18 +398,17 @@ class GraphDecoder:
         if greedy and not len(call.logits_processor):
             call.stats.sampling = "greedy"
             return
+        host = "greedy" if greedy else "transformers"  # what runs where the device sampler does not
         if mode == "transformers" or (mode == "auto" and self.model.device.type != "cuda"):
-            call.stats.sampling = f"{'greedy' if greedy else 'transformers'}: sampling={mode!r} on " \
-                                  f"{self.model.device.type}"
+            call.stats.sampling = f"{host}: sampling={mode!r} on {self.model.device.type}"
             return
         if call.keep_scores:
-            call.stats.sampling = ("greedy" if greedy else "transformers") + \
-                ": output_scores (transformers' processors return the scores)"
+            call.stats.sampling = f"{host}: output_scores (transformers' processors return the scores)"
             return
         vocab = self.model.get_output_embeddings().weight.shape[0]
         plan = sampling.plan_sampling(call.logits_processor, vocab, greedy=greedy)
         if isinstance(plan, str):
-            call.stats.sampling = f"{'greedy' if greedy else 'transformers'}: {plan}"
+            call.stats.sampling = f"{host}: {plan}"
             return
         call.plan = plan
         # the draw's seed, from the default generator (torch.manual_seed reproduces); a greedy call takes none
