@@ -1,13 +1,15 @@
 """patch(prefill="graphs") on the CPU (the eager form of what CUDA replays): which calls take it, which keep
 transformers' prefill and say why, and that both give transformers' tokens. Every family: tests/models/test_prefill_rows.py."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 import moegraph
 from moegraph.cuda_graph import prefill
-from moegraph.cuda_graph.hf_cache import forward_cache_argument
+from moegraph.cuda_graph.hf_cache import forward_cache_argument, output_cache_field
 from moegraph.testing import build_model, random_prompts
 
 
@@ -62,8 +64,7 @@ def test_sampled_call_with_token_rows_draws_what_transformers_prefill_draws(mode
 
 
 @pytest.mark.parametrize("case, why", [
-    ("returned_cache", "keeps a transformers cache"),
-    ("continued", "keeps a transformers cache"),
+    ("continued", "continues from a cache"),
     ("embeds", "inputs_embeds"),
     ("long", "prompt tokens (token rows up to 512)"),
     ("right_padding", "padding after a prompt"),
@@ -71,10 +72,11 @@ def test_sampled_call_with_token_rows_draws_what_transformers_prefill_draws(mode
 def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
     inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3)
     kwargs = dict(max_new_tokens=4, do_sample=False)
-    if case == "returned_cache":
-        kwargs.update(return_dict_in_generate=True, use_cache=True)
-    elif case == "continued":  # a cache passed in (empty): transformers' prefill fills it, and it is the user's
-        kwargs[forward_cache_argument(model)] = None
+    if case == "continued":  # a cache holding the first two tokens of each row: the call runs the rest
+        prefix = {k: v[:, :2] for k, v in inputs.items()}
+        first = model.generate(**prefix, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+        kwargs[forward_cache_argument(model)] = first
+        kwargs["return_dict_in_generate"] = True
     elif case == "embeds":
         inputs = dict(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]),
                       attention_mask=inputs["attention_mask"])
@@ -84,10 +86,12 @@ def test_calls_it_does_not_take_keep_transformers_prefill(model, case, why):
         assert not mask[:, -1].all()
     else:
         inputs = random_prompts(2, vocab_size=model.config.vocab_size, seed=3, min_len=260, max_len=300)
-    fresh = {k: DynamicCache(config=model.config) if v is None else v for k, v in kwargs.items()}
-    want = model.generate(**inputs, **fresh)
-    got, stats = _generate(model, inputs, **{k: DynamicCache(config=model.config) if v is None else v
-                                             for k, v in kwargs.items()})
+    def fresh():  # each call its own copy of the cache passed in
+        return {k: copy.deepcopy(getattr(v, output_cache_field())) if hasattr(v, "sequences") else v
+                for k, v in kwargs.items()}
+
+    want = model.generate(**inputs, **fresh())
+    got, stats = _generate(model, inputs, **fresh())
     assert stats.fallback_reason is None and stats.prefill.startswith("transformers: ") and why in stats.prefill
     want_ids = want if isinstance(want, torch.Tensor) else want.sequences
     got_ids = got if isinstance(got, torch.Tensor) else got.sequences
@@ -108,3 +112,60 @@ def test_masked_columns_inside_a_prompt_are_dropped_as_transformers_masks_them(m
         moegraph.unpatch(model)
     got, stats = _generate(model, inputs, **kwargs)
     assert stats.prefill == "graphs" and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("passed_in", [False, True])
+def test_returned_cache_holds_the_prompt_and_continues_as_transformers(model, passed_in):
+    """return_dict_in_generate (or an empty cache passed in): the returned cache holds the prompts' K/V copied from
+    the static cache, transformers' up to rounding in every unmasked column and zeros in the masked ones, then the
+    generated tokens'; a second turn from it gives transformers' tokens."""
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=3, max_len=9, seed=4)
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    name = forward_cache_argument(model)
+    extra = (lambda: {name: DynamicCache(config=model.config)}) if passed_in else dict
+    want = model.generate(**inputs, **kwargs, **extra())
+    got, stats = _generate(model, inputs, **kwargs, **extra())
+    assert stats.prefill == "graphs" and torch.equal(got.sequences, want.sequences)
+    field = output_cache_field()
+    mine, theirs = getattr(got, field), getattr(want, field)
+    masked = (inputs["attention_mask"] == 0)[:, None, :, None]
+    width = inputs["input_ids"].shape[1]
+    for a, b in zip(mine.layers, theirs.layers):
+        assert a.keys.shape == b.keys.shape
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            torch.testing.assert_close(x[:, :, :width].masked_fill(masked, 0), y[:, :, :width].masked_fill(masked, 0),
+                                       rtol=1e-4, atol=1e-4)
+            assert (x[:, :, :width].masked_select(masked.expand_as(x[:, :, :width])) == 0).all()
+            torch.testing.assert_close(x[:, :, width:], y[:, :, width:], rtol=1e-4, atol=1e-4)
+
+    rows, total = got.sequences.shape  # the next turn: the sequences plus new tokens, continuing in each cache
+    new = torch.randint(3, 500, (rows, 3), generator=torch.Generator().manual_seed(1))
+    mask = torch.cat([inputs["attention_mask"], torch.ones(rows, total - width + 3, dtype=torch.long)], 1)
+    turn = dict(input_ids=torch.cat([got.sequences, new], 1), attention_mask=mask)
+    again = model.generate(**turn, **{name: theirs}, max_new_tokens=4, do_sample=False)
+    moegraph.patch(model, max_batch_size=4, prefill="graphs")
+    try:
+        assert torch.equal(model.generate(**turn, **{name: mine}, max_new_tokens=4, do_sample=False), again)
+    finally:
+        moegraph.unpatch(model)
+
+
+def test_chunked_batch_with_a_returned_cache_and_sliding_layers():
+    """GPT-OSS (sliding-window layers) in chunks of 2 rows that stop at different steps, returning its cache: the
+    chunks' token-row prefills fill their caches, which join into transformers' shapes and tokens."""
+    model = build_model("tiny-gpt-oss", seed=0)
+    inputs = random_prompts(5, vocab_size=model.config.vocab_size, min_len=3, max_len=9, seed=36)
+    start = inputs["input_ids"].shape[1]
+    free = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)[:, start:]
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=[int(free[0, 2]), int(free[1, 3])], pad_token_id=0,
+                  return_dict_in_generate=True)
+    want = model.generate(**inputs, **kwargs)
+    moegraph.patch(model, max_batch_size=2, prefill="graphs")
+    try:
+        got = model.generate(**inputs, **kwargs)
+        stats = moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+    assert stats.prefill == "graphs" and stats.chunks == 3 and torch.equal(got.sequences, want.sequences)
+    field = output_cache_field()
+    assert [a.keys.shape for a in getattr(got, field).layers] == [b.keys.shape for b in getattr(want, field).layers]

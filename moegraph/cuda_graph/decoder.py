@@ -491,6 +491,9 @@ class GraphDecoder:
         if token_rows is not None:  # the prompts as rows of the decode step, straight into the static cache
             captured_before, seconds_before = self.graphs_captured, self.capture_seconds
             logits, lengths, prefill_cache = self._prefill_rows(token_rows, use_graphs), token_rows.lengths, None
+            if prompt.keep_cache:  # the prompt's K/V, from the static cache, into the cache the call returns
+                prefill_cache = self._chunk_cache(prompt, part, whole_batch)
+                hf_cache.append_kv(prefill_cache, prefill.prompt_kv(self.cache, token_rows, input_ids.shape[1]))
             stats.captures += self.graphs_captured - captured_before
             stats.capture_seconds += self.capture_seconds - seconds_before
         else:
@@ -565,16 +568,18 @@ class GraphDecoder:
         stats.prefill = "graphs" if why is None else f"transformers: {why}"
         return rows if why is None else None
 
+    def _chunk_cache(self, prompt: _Prompt, part: slice, whole_batch: bool):
+        """The transformers cache a chunk's prefill fills: the call's own when it keeps one and this chunk is the
+        whole batch (it ends up holding the call), else a DynamicCache seeded with the chunk's cached positions."""
+        if prompt.keep_cache and whole_batch:
+            return prompt.cache
+        return hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+
     def _prefill_with_transformers(self, input_ids, kwargs: dict, prompt: _Prompt, part: slice, whole_batch: bool):
         """transformers' forward over the prompt, its K/V then copied into the static cache: (first logits, lengths
         [n], the transformers cache the call keeps, else None)."""
         rows = input_ids.shape[0]
-        if not prompt.keep_cache:  # the prompt's K/V live only until they are in the static cache
-            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
-        elif whole_batch:
-            prefill_cache = prompt.cache  # transformers' (or the user's) cache: it ends up holding the call
-        else:
-            prefill_cache = hf_cache.seeded_cache(self.model.config, prompt.cache, part, prompt.past)
+        prefill_cache = self._chunk_cache(prompt, part, whole_batch)
         logits = self._prefill(input_ids, kwargs, prefill_cache, prompt)
         order, lengths = compaction_order(kwargs.get("attention_mask"))
         if lengths is None:

@@ -11,7 +11,8 @@ Token rows are the real tokens of each row in order (padding dropped, as the sta
 i-th real token goes to cache row r, position i, with RoPE position rope_start[r] - length[r] + i (transformers'
 count for a prompt whose position ids run without a gap). A bucket's spare token rows read token 0 and write their
 K/V at the cache's last position of cache row 0: no live token attends that far, and a decode step writes a position
-before any step reads it.
+before any step reads it. A call that returns its cache gets the prompts' K/V copied from the static cache into it
+(`prompt_kv`), with zeros in masked columns where transformers' own prefill leaves the K/V of the padding tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class TokenRows:
 
     token_ids: torch.Tensor  # [n] int64
     cache_rows: torch.Tensor  # [n] int64: the prompt's row
+    columns: torch.Tensor  # [n] int64: the token's column in input_ids
     positions: torch.Tensor  # [n] int64: index among its row's real tokens
     rope_positions: torch.Tensor  # [n] int64
     last: torch.Tensor  # [rows] int64: the token row of each prompt's last token
@@ -60,7 +62,23 @@ def token_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rop
         rope_positions = position_ids.to(positions.device).long()[rows, cols]
     else:
         rope_positions = rope_start.to(positions.device)[rows] - lengths[rows] + positions
-    return TokenRows(input_ids[rows, cols].long(), rows, positions, rope_positions, lengths.cumsum(0) - 1, lengths)
+    return TokenRows(input_ids[rows, cols].long(), rows, cols, positions, rope_positions, lengths.cumsum(0) - 1,
+                     lengths)
+
+
+def prompt_kv(cache, rows: TokenRows, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [prompts, kv_heads, width, head_dim] of the prompts in transformers' layout, read
+    from the static cache: each token's K/V at its column of input_ids; masked columns hold zeros (transformers
+    holds the K/V it computed for those tokens there; attention never reads them)."""
+    prompts = rows.last.shape[0]
+    layers = []
+    for keys, values in zip(cache.keys, cache.values):
+        out_k = keys.new_zeros(prompts, keys.shape[1], width, keys.shape[3])
+        out_v = values.new_zeros(out_k.shape)
+        out_k[rows.cache_rows, :, rows.columns] = keys[rows.cache_rows, :, rows.positions]
+        out_v[rows.cache_rows, :, rows.columns] = values[rows.cache_rows, :, rows.positions]
+        layers.append((out_k, out_v))
+    return layers
 
 
 def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | str | None:
@@ -76,12 +94,14 @@ def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | str | No
 def why_not_graphs(mode: str, prompt) -> str | None:
     """None when the call's prefill can run as token rows (the family's own input checks have passed); else why
     transformers' prefill runs it. `prompt`: the decoder's _Prompt."""
+    from transformers import DynamicCache
+
     if mode != "graphs":
         return f"prefill={mode!r}"
-    if prompt.keep_cache:
-        return "the call keeps a transformers cache (returned or passed in): its prefill fills it"
     if prompt.past:
         return "the call continues from a cache"
+    if prompt.keep_cache and not isinstance(prompt.cache, DynamicCache):
+        return f"the call keeps a {type(prompt.cache).__name__}"
     if prompt.model_kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds"
     return None
