@@ -24,7 +24,6 @@ import torch
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
 MAX_TOKENS = TOKEN_BUCKETS[-1]  # past it transformers' prefill: attention here reads each row's cache per token
-PREFILL_MODES = ("transformers", "graphs")
 
 
 def token_bucket(tokens: int) -> int:
