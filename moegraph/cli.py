@@ -39,6 +39,11 @@ def _info(args) -> int:
     ops = resolve_ops(device, dtype)
     print(f"moe backend    {ops.moe_backend} for {dtype} ({'capture-safe' if ops.capture_safe else 'eager only'})")
     print(ops.describe())
+    from moegraph.kernels._triton import pdl_status
+
+    why_not = pdl_status(device)
+    print("graph launches " + ("programmatic dependent launch (MOEGRAPH_PDL=0 turns it off)" if why_not is None
+                               else f"plain: {why_not}"))
     return 0
 
 

@@ -53,11 +53,21 @@ except Exception:  # pragma: no cover - older Triton, or none
         gdc_launch_dependents, gdc_wait = triton.jit(gdc_launch_dependents), triton.jit(gdc_wait)
 
 
+def pdl_status(device: torch.device) -> str | None:
+    """None when the decode graphs on `device` launch with programmatic dependent launch, else why not."""
+    if not _HAVE_GDC:
+        return "this Triton has no grid dependency control (launch_pdl, gdc_wait)"
+    if device.type != "cuda":
+        return f"{device.type} is not CUDA"
+    if os.environ.get("MOEGRAPH_PDL", "1") == "0":
+        return "MOEGRAPH_PDL=0"
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if major >= 9 else f"sm_{major}{minor} (it needs sm_90+)"
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_on(device_type: str, index: int | None) -> bool:
-    if not _HAVE_GDC or device_type != "cuda" or os.environ.get("MOEGRAPH_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return pdl_status(torch.device(device_type, index) if index is not None else torch.device(device_type)) is None
 
 
 _scope = threading.local()
@@ -95,4 +105,4 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["HAVE_TRITON", "pdl", "pdl_launches", "pdl_wait", "tl", "triton"]
+__all__ = ["HAVE_TRITON", "pdl", "pdl_launches", "pdl_status", "pdl_wait", "tl", "triton"]

@@ -61,3 +61,22 @@ def test_the_gemv_waits_before_it_reads_x_and_after_loading_only_weights():
     source = inspect.getsource(gemv._gemv_tile.fn)
     before_wait = source[:source.index("pdl_wait(USE_PDL)")]
     assert "w_rows" in before_wait and "x_ptr +" not in before_wait and "tl.store" not in before_wait
+
+
+def test_pdl_status_says_why_not(monkeypatch):
+    assert _triton.pdl_status(torch.device("cpu")) in ("cpu is not CUDA",
+                                                       "this Triton has no grid dependency control (launch_pdl, gdc_wait)")
+    if _triton._HAVE_GDC:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert _triton.pdl_status(torch.device("cuda", 0)) == "sm_80 (it needs sm_90+)"
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert _triton.pdl_status(torch.device("cuda", 0)) is None
+        monkeypatch.setenv("MOEGRAPH_PDL", "0")
+        assert _triton.pdl_status(torch.device("cuda", 0)) == "MOEGRAPH_PDL=0"
+
+
+def test_info_says_how_graphs_launch(capsys):
+    from moegraph.cli import main
+
+    assert main(["info"]) == 0
+    assert "graph launches " in capsys.readouterr().out
