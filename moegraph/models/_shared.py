@@ -85,8 +85,8 @@ def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, val
     CUDA only the row's live positions, however large the cache)."""
     rows = q.shape[0]
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    extra = {} if cache_rows is None else {"cache_rows": cache_rows}
-    out = ops.decode_attention(q, key_cache, value_cache, positions, attn.scaling, window, sinks, **extra)
+    out = ops.decode_attention(q, key_cache, value_cache, positions, attn.scaling, window, sinks,
+                               cache_rows=cache_rows)
     return ops.linear(attn.o_proj, out.reshape(rows, -1))
 
 
