@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from transformers import LogitsProcessor
 
 import moegraph
 from moegraph.testing import build_model, random_prompts
@@ -201,6 +202,22 @@ def timed_call(fn):
     return out, time.perf_counter() - start
 
 
+class FirstTokenClock(LogitsProcessor):
+    """A logits processor that notes when the prefill's logits are ready (GPU synchronized): the first call of the
+    processors in a transformers generate() follows its prefill forward, outside any compiled region. Timing a
+    plain transformers call's prefill inside the same call keeps the decode time a measurement, not a difference of
+    two calls (which on a noisy machine can come out negative)."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            _sync()
+            self.at = time.perf_counter()
+        return scores
+
+
 class Runner:
     """Runs one backend at one batch size (and prompt, new tokens, sampling) within a time budget."""
 
@@ -251,9 +268,9 @@ class Runner:
             self.teardown()
         return case
 
-    def _generate(self, case, prompts, tokens: int):
+    def _generate(self, case, prompts, tokens: int, **extra):
         kw = self.generate_kwargs(case.backend, tokens, getattr(case, "sample", False))
-        return self.model.generate(**prompts, **kw)
+        return self.model.generate(**prompts, **kw, **extra)
 
     def _budget(self) -> float:
         return min(self.args.budget_s, self.deadline - time.perf_counter())
@@ -292,15 +309,21 @@ class Runner:
 
     def _timed_runs(self, case, prompts, tokens: int, runs: int) -> tuple[list, list]:
         """Seconds of `runs` synchronized generate() calls, and after each moegraph's decode_stats, or for plain
-        transformers (which reports no prefill time) the seconds of a 1-token call made right before it (None for a
-        1-token call: that is the prefill)."""
+        transformers (which reports no prefill time) the seconds from the call's start to its first token's logits
+        (FirstTokenClock; None for a 1-token call: that is the prefill)."""
         seconds, stats = [], []
         for _ in range(runs):
-            prefill = None
-            if not case.backend.startswith("moegraph") and tokens > 1:
-                prefill = timed_call(lambda: self._generate(case, prompts, 1))[1]
-            seconds.append(timed_call(lambda: self._generate(case, prompts, tokens))[1])
-            stats.append(moegraph.decode_stats(self.model) if case.backend.startswith("moegraph") else prefill)
+            if case.backend.startswith("moegraph") or tokens == 1:
+                seconds.append(timed_call(lambda: self._generate(case, prompts, tokens))[1])
+                stats.append(moegraph.decode_stats(self.model) if case.backend.startswith("moegraph") else None)
+                continue
+            clock = FirstTokenClock()
+            _sync()
+            start = time.perf_counter()
+            self._generate(case, prompts, tokens, logits_processor=[clock])
+            _sync()
+            seconds.append(time.perf_counter() - start)
+            stats.append(clock.at - start)
         return seconds, stats
 
     def _measure(self, case, prompts):
@@ -316,7 +339,7 @@ class Runner:
         n = self._fit_tokens(case, prefill, per_step, budget)
         if n is None:
             return
-        one_run = prefill * (1 if case.backend.startswith("moegraph") else 2) + per_step * (n - 1)  # hf: + 1-token call
+        one_run = prefill + per_step * (n - 1)
         totals, stats = self._timed_runs(case, prompts, n, self._fit_runs(case, one_run, budget))
         if case.backend.startswith("moegraph"):
             prefills = [s.prefill_seconds for s in stats]
@@ -324,7 +347,7 @@ class Runner:
             case.host_ms_per_step = statistics.median(s.host_ms_per_step for s in stats)
             if stats[-1].fallback_reason:
                 case.notes.append(f"fell back to transformers: {stats[-1].fallback_reason}")
-        else:  # each run against the 1-token call just before it: the same machine state
+        else:  # the prefill and the decode steps of the same call
             prefills = stats
             decodes = [(t - p) / (n - 1) for t, p in zip(totals, prefills)]
         case.runs = len(totals)

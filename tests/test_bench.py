@@ -188,3 +188,22 @@ def test_bench_of_a_vision_language_model_reads_its_text_decoder(tmp_path):
     rows = {row["backend"]: row for row in results["cases"]}
     for row in rows.values():
         _assert_measured(row, 4)
+
+
+def test_first_token_clock_times_the_prefill_inside_the_same_generate_call():
+    """Plain transformers' prefill is read inside the timed call, so its decode time can't come out negative."""
+    import time
+
+    from moegraph.bench import FirstTokenClock
+
+    model = build_model("tiny")
+    prompts = random_prompts(2, vocab_size=model.config.vocab_size, min_len=6, max_len=6)
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    out = model.generate(**prompts, max_new_tokens=5, min_new_tokens=5, do_sample=False, logits_processor=[clock])
+    end = time.perf_counter()
+    assert out.shape[1] == prompts["input_ids"].shape[1] + 5
+    assert clock.at is not None and start < clock.at < end
+    first = clock.at
+    scores = torch.randn(2, 8)
+    assert clock(None, scores) is scores and clock.at == first  # later steps leave scores and the time alone
