@@ -60,6 +60,8 @@ class OpTable:
     experts: Callable  # (hidden [T, H], top_k_index [T, K], top_k_weights [T, K], experts, ops) -> [T, H]
     linear: Callable  # (module, x) -> module(x) for a projection
     qkv: Callable  # (attention module, x) -> (q_proj(x), k_proj(x), v_proj(x))
+    # (RMSNorm module, residual, x or None, attention module) -> (residual + x, qkv(attn, norm(residual + x)))
+    add_norm_qkv: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
 
     def describe(self) -> str:
@@ -120,6 +122,30 @@ def _dense_gemv_qkv(attn: nn.Module, x: torch.Tensor):
         return _qkv_one_by_one(_dense_gemv_linear, attn, x)
     biases = [m.bias for m in modules] if with_bias.pop() else None
     return gemv.linear_gemv_group(x, [m.weight for m in modules], biases)
+
+
+def _add_norm_then_qkv(rms_norm_op: Callable, add_rms_norm_op: Callable, qkv: Callable, norm: nn.Module,
+                       residual: torch.Tensor, x: torch.Tensor | None, attn: nn.Module):
+    """The unfused add_norm_qkv: the table's norm op, then its q/k/v op."""
+    if x is None:
+        hidden = rms_norm_op(residual, norm.weight, norm.variance_epsilon)
+    else:
+        residual, hidden = add_rms_norm_op(residual, x, norm.weight, norm.variance_epsilon)
+    return residual, qkv(attn, hidden)
+
+
+def _dense_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None,
+                             attn: nn.Module):
+    """add + RMSNorm + q/k/v in one GEMV launch (kernels/gemv.py) where the q/k/v GEMV takes the rows and the norm
+    weight is of their dtype; otherwise `unfused`."""
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    with_bias = {m.bias is not None for m in modules}
+    if (not all(_takes_gemv(m, residual, gemv.QKV_MAX_ROWS) for m in modules) or len(with_bias) != 1
+            or norm.weight.dtype != residual.dtype):
+        return unfused(norm, residual, x, attn)
+    biases = [m.bias for m in modules] if with_bias.pop() else None
+    return gemv.add_rms_norm_gemv_group(residual, x, norm.weight, norm.variance_epsilon, [m.weight for m in modules],
+                                        biases)
 
 
 def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +254,12 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
         qkv = functools.partial(_qkv_one_by_one, linear)
+    add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
+    if qkv is _dense_gemv_qkv:
+        add_norm_qkv = functools.partial(_dense_gemv_add_norm_qkv, add_norm_qkv)
     reasons = (
-        ("norms", kernel_name, kernel_why),
+        ("norms", kernel_name, kernel_why + ("; the norm before attention inside the q/k/v GEMV where it runs"
+                                             if qkv is _dense_gemv_qkv else "")),
         ("qk_norm_rope", kernel_name, kernel_why),
         ("attention", kernel_name, "split-KV decode attention over live positions" if kernel_name == "triton"
          else "torch SDPA over the whole cache, masked"),
@@ -241,7 +271,8 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     )
     return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
                    capture_safe=backend.capture_safe and device.type == "cuda",
-                   experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv, reasons=reasons,
+                   experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv,
+                   add_norm_qkv=add_norm_qkv, reasons=reasons,
                    router_logits=_router_logits_gemv if kernel_name == "triton" else _router_logits_linear,
                    **small_ops)
 

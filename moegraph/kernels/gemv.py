@@ -3,6 +3,10 @@
 linear_gemv(x [M, K], weight [N, K], bias [N] or None) -> [M, N] in x.dtype;
 linear_gemv_group(x, weights, biases) -> one output per weight: up to three weights of the same K (q, k and v)
 in one launch, read from the module's own parameters (no concatenated copy to keep in step with them).
+add_rms_norm_gemv_group(residual, x, norm_weight, eps, weights, biases) -> (residual + x, outputs): the decoder
+layer's add + RMSNorm fused in front of the group (kernels/rms_norm.py's rounding): every program normalizes the
+few rows itself (a few KB from L2, while its first weight step is in flight), so the norm costs no launch of its
+own; program 0 writes the summed residual stream.
 cuBLAS runs a handful of rows as a GEMM with a tile far taller than the rows; here each program owns BLOCK_N
 output columns for all M rows (M <= MAX_ROWS): it reads its weight tile once, in wide BLOCK_K steps, and
 multiplies it with every row in registers (float32 products, one sum per step), so the weights stream at
@@ -42,8 +46,43 @@ def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM: tl.constexpr,
+                 HAS_ADD: tl.constexpr):
+    """The GEMV's input rows at columns ks: x itself, or the RMSNorm of (residual + x) rounded as rms_norm rounds."""
+    if NORM:
+        if HAS_ADD:
+            res = tl.load(res_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                          other=0.0)
+            x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+        nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0)
+        x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """1 / RMS of each row of (residual + x) [ROWS]; with WRITE_SUM (program 0) residual + x is stored too."""
+    sq = tl.zeros([ROWS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (ks < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=mask, other=0.0)
+        if HAS_ADD:
+            res = tl.load(res_ptr + rows[:, None] * K + ks[None, :], mask=mask, other=0.0)
+            x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # the residual stream keeps its dtype
+            if WRITE_SUM:
+                tl.store(sum_ptr + rows[:, None] * K + ks[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+    return tl.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, eps, WRITE_SUM,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+               NORM: tl.constexpr, HAS_ADD: tl.constexpr, USE_PDL: tl.constexpr):
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_mask = cols < N
     rows = tl.arange(0, ROWS)
@@ -54,10 +93,14 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, 
     # the first weight step is loaded before waiting for x: the weights are no earlier kernel's output
     w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
     pdl_wait(USE_PDL)
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:
+        inv_rms = _row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
         next_ks = ks + BLOCK_K  # all masked off after the last step
         next_w = tl.load(w_rows + next_ks[None, :], mask=col_mask[:, None] & (next_ks < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
@@ -70,22 +113,25 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, ROWS: tl.constexpr, 
 
 @triton.jit
 def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, N2, tiles0, tiles01, M, K,
-                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
-    """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's."""
+                       res_ptr, nw_ptr, sum_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr = False,
+                       HAS_ADD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's.
+    NORM: x is (residual +) the rows before RMSNorm (weight nw_ptr), normalized here; program 0 writes the sum."""
     tile = tl.program_id(0)
+    write_sum = tile == 0
     if tile < tiles0:
-        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
+        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS, BLOCK_N,
+                   BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
     elif tile < tiles01:
-        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
+        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS,
+                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
     else:
-        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, USE_PDL)
+        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS,
+                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
 
 
-def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                      biases: Sequence[torch.Tensor] | None = None,
-                      tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
-    """x [M, K] times each weight [N_i, K] (+ bias_i): one launch. tile, num_warps: overrides (benchmarks)."""
+def _check_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"linear_gemv_group: 1 to 3 weights, got {len(weights)}")
     rows, k = x.shape
@@ -95,9 +141,14 @@ def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
         if w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() or w.dtype != x.dtype:
             raise ValueError(f"linear_gemv_group: weight {tuple(w.shape)} {w.dtype} does not take x "
                              f"{tuple(x.shape)} {x.dtype} (contiguous [N, K] of x's dtype)")
+
+
+def _launch_group(x, weights, biases, tile, num_warps, norm=None):
+    """norm: None, or (residual or None, norm weight, eps, summed output): x is normalized in the kernel."""
+    _check_group(x, weights)
+    rows, k = x.shape
     block_n, block_k = tile or tile_for(rows, max(w.shape[0] for w in weights), k)
     block_k = min(block_k, triton.next_power_of_2(k))
-    x = x.contiguous()
     outs = [torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     tiles = [triton.cdiv(w.shape[0], block_n) for w in weights]
     padded = list(zip(weights, biases if biases is not None else [None] * len(weights), outs))
@@ -107,10 +158,52 @@ def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
     args = []
     for w, b, out in padded:
         args += [w, b if b is not None else w, out, w.shape[0]]
+    residual, norm_weight, eps, summed = norm if norm is not None else (None, x, 0.0, x)
     _gemv_group_kernel[(sum(tiles),)](x, *args, tiles[0], tiles[0] + tiles[1], rows, k,
+                                      residual if residual is not None else x, norm_weight, summed, eps,
                                       ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                                      HAS_BIAS=biases is not None, num_warps=num_warps, **pdl(x.device))
+                                      HAS_BIAS=biases is not None, NORM=norm is not None,
+                                      HAS_ADD=residual is not None, num_warps=num_warps, **pdl(x.device))
     return tuple(outs)
+
+
+def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                      biases: Sequence[torch.Tensor] | None = None,
+                      tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
+    """x [M, K] times each weight [N_i, K] (+ bias_i): one launch. tile, num_warps: overrides (benchmarks)."""
+    return _launch_group(x.contiguous(), weights, biases, tile, num_warps)
+
+
+def add_rms_norm_gemv_group(residual: torch.Tensor, x: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None = None,
+                            tile: tuple[int, int] | None = None,
+                            num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(residual + x, each weight times RMSNorm(residual + x)) in one launch; x None: no add (residual returned
+    as it is). The norm weight is of the rows' dtype (the normalized rows are what the weights multiply)."""
+    if norm_weight.shape != (residual.shape[-1],) or norm_weight.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm_gemv_group: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} "
+                         f"does not take rows {tuple(residual.shape)} {residual.dtype}")
+    residual = residual.contiguous()
+    if x is None:
+        return residual, _launch_group(residual, weights, biases, tile, num_warps, (None, norm_weight, eps, residual))
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm_gemv_group: x {tuple(x.shape)} {x.dtype} != residual "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    summed = torch.empty_like(residual)
+    outs = _launch_group(x.contiguous(), weights, biases, tile, num_warps, (residual, norm_weight, eps, summed))
+    return summed, outs
+
+
+def add_rms_norm_gemv_group_ref(residual, x, norm_weight, eps, weights, biases=None):
+    """What add_rms_norm_gemv_group computes, up to summation order: rms_norm's reference, then float32 products."""
+    from .rms_norm import add_rms_norm_ref, rms_norm_ref
+
+    if x is None:
+        summed, hidden = residual, rms_norm_ref(residual, norm_weight, eps)
+    else:
+        summed, hidden = add_rms_norm_ref(residual, x, norm_weight, eps)
+    biases = biases if biases is not None else [None] * len(weights)
+    return summed, tuple(linear_gemv_ref(hidden, w, b) for w, b in zip(weights, biases))
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

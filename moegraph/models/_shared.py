@@ -14,7 +14,8 @@ from torch import nn
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
-# (attention module, hidden [b, H], cos, sin, positions, key_cache, value_cache, ops, cache_rows=None) -> [b, H]
+# (attention module, (q, k, v) projected rows, cos, sin, positions, key_cache, value_cache, ops, cache_rows=None)
+# -> [b, H]
 Attention = Callable[..., torch.Tensor]
 # (MLP module, hidden [b, H], ops) -> [b, H]
 Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
@@ -27,6 +28,16 @@ def add_rms_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None
     if x is None:
         return residual, ops.rms_norm(residual, norm.weight, norm.variance_epsilon)
     return ops.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
+
+
+def _norm_qkv(add_norm: AddNorm, norm: nn.Module, attn: nn.Module, residual: torch.Tensor, x: torch.Tensor | None,
+              ops) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The norm before attention and the q/k/v projections: (residual + x, (q, k, v)). With the standard add +
+    RMSNorm, ops.add_norm_qkv (one launch at decode batch sizes on CUDA)."""
+    if add_norm is add_rms_norm:
+        return ops.add_norm_qkv(norm, residual, x, attn)
+    residual, hidden = add_norm(norm, residual, x, ops)
+    return residual, ops.qkv(attn, hidden)
 
 
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -47,7 +58,8 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     cache_rows [b]: the cache row of each row's token (None: row i is cache row i); with it the rows can be the
     tokens of prompts, several per cache row, each attending to its row's positions up to its own (a prefill).
     logit_rows: the rows whose logits are returned (None: all), e.g. each prompt's last token.
-    Per layer: add+RMSNorm, attention, add+RMSNorm, MLP; the residual adds are fused into the next norm."""
+    Per layer: add+RMSNorm with q/k/v, attention, add+RMSNorm, MLP; the residual adds are fused into the next
+    norm."""
     inner = model.model if text_model is None else text_model
     layers = inner.layers
     residual = inner.embed_tokens(token_ids)  # [b, H]
@@ -55,14 +67,14 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     position_ids = rope_positions[:, None] if rope_components == 1 else rope_positions[None, :, None].expand(
         rope_components, -1, -1)
     cos, sin = inner.rotary_emb(residual[:, None], position_ids)  # [b, 1, D]
-    residual, hidden = add_norm(layers[0].input_layernorm, residual, None, ops)
+    mlp_out = None  # the first layer's norm adds nothing
     for layer_idx, layer in enumerate(layers):
-        attn_out = attention(layer.self_attn, hidden, cos, sin, positions, cache.keys[layer_idx],
+        residual, qkv = _norm_qkv(add_norm, layer.input_layernorm, layer.self_attn, residual, mlp_out, ops)
+        attn_out = attention(layer.self_attn, qkv, cos, sin, positions, cache.keys[layer_idx],
                              cache.values[layer_idx], ops, cache_rows=cache_rows)
         residual, hidden = add_norm(layer.post_attention_layernorm, residual, attn_out, ops)
         mlp_out = mlp(layer.mlp, hidden, ops)
-        norm = layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(layers) else inner.norm
-        residual, hidden = add_norm(norm, residual, mlp_out, ops)
+    residual, hidden = add_norm(inner.norm, residual, mlp_out, ops)
     if logit_rows is not None:
         hidden = hidden.index_select(0, logit_rows)
     return ops.linear(model.lm_head, hidden).float()

@@ -67,11 +67,11 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
                                   cache_rows=cache_rows, logit_rows=logit_rows)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
+def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
                ops, cache_rows=None) -> torch.Tensor:
-    rows, head_dim = hidden.shape[0], attn.head_dim
+    q, k, v = qkv  # with q/k/v biases when attention_bias
+    rows, head_dim = q.shape[0], attn.head_dim
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    q, k, v = ops.qkv(attn, hidden)  # with q/k/v biases when attention_bias
     norms = (attn.q_norm, attn.k_norm) if attn.use_qk_norm else None
     if cos.shape[-1] == head_dim:  # whole-head RoPE: the fused op norms, rotates and writes K/V
         q_w, k_w, eps = (norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else (None, None, None)

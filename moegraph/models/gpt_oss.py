@@ -82,11 +82,11 @@ def _add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None, o
     return residual, norm(residual)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
+def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
                ops, cache_rows=None) -> torch.Tensor:
-    rows = hidden.shape[0]
+    q, k, v = qkv  # with q/k/v biases
+    rows = q.shape[0]
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    q, k, v = ops.qkv(attn, hidden)  # with q/k/v biases
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # [b, 1, D/2] -> [b, 1, D]
     q = ops.qk_norm_rope(q, k, v, None, None, cos, sin, positions, key_cache, value_cache, None,
                          cache_rows=cache_rows)  # [b, Hq, D]

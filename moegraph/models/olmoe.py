@@ -44,11 +44,11 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
                                   cache_rows=cache_rows, logit_rows=logit_rows)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
+def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
                ops, cache_rows=None) -> torch.Tensor:
-    rows = hidden.shape[0]
+    q, k, v = qkv  # [b, Hq*D], [b, Hkv*D], [b, Hkv*D]
+    rows = q.shape[0]
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    q, k, v = ops.qkv(attn, hidden)  # [b, Hq*D], [b, Hkv*D], [b, Hkv*D]
     q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)  # over all Hq*D of a row
     k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)  # over all Hkv*D of a row
     clip = attn.config.clip_qkv

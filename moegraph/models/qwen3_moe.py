@@ -32,11 +32,11 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
                                   cache_rows=cache_rows, logit_rows=logit_rows)
 
 
-def _attention(attn: nn.Module, hidden: torch.Tensor, cos, sin, positions, key_cache, value_cache,
+def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
                ops, cache_rows=None) -> torch.Tensor:
-    rows = hidden.shape[0]
+    q, k, v = qkv
+    rows = q.shape[0]
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    q, k, v = ops.qkv(attn, hidden)
     # [b, Hq, D]; K/V written at `positions` (of each row's cache row)
     q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
                          value_cache, attn.q_norm.variance_epsilon, cache_rows=cache_rows)

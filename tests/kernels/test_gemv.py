@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from moegraph.kernels import triton_available
-from moegraph.kernels.gemv import linear_gemv, linear_gemv_group, linear_gemv_ref
+from moegraph.kernels.gemv import (add_rms_norm_gemv_group, add_rms_norm_gemv_group_ref, linear_gemv, linear_gemv_group,
+                                   linear_gemv_ref)
+from moegraph.kernels.rms_norm import add_rms_norm, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_available(torch.empty(0, device=DEVICE)), reason="Triton cannot run here")
@@ -42,3 +44,37 @@ def test_gemv_refuses_a_weight_of_another_shape_or_dtype():
         linear_gemv(x, _randn(8, 16))
     with pytest.raises(ValueError, match="does not take x"):
         linear_gemv(x, _randn(8, 32, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("rows, k, dtype", [(1, 64, torch.float32), (3, 96, torch.bfloat16), (4, 1100, torch.float32),
+                                            (2, 2048, torch.bfloat16)])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_in_front_of_the_gemv_group(rows, k, dtype, add):
+    """The norm before attention fused into the q/k/v GEMV: the summed residual exactly, the projections as the
+    norm kernel followed by the GEMV (bit for bit where the sums run in the same order: the interpreter), and
+    close to float32 products of rms_norm's reference."""
+    residual, x = _randn(rows, k, dtype=dtype, seed=10), _randn(rows, k, dtype=dtype, seed=11) if add else None
+    norm_weight = (1 + 0.1 * _randn(k, seed=12)).to(dtype)
+    weights = [0.05 * _randn(n, k, dtype=dtype, seed=13 + n) for n in (16, 8, 8)]
+    summed, outs = add_rms_norm_gemv_group(residual, x, norm_weight, 1e-6, weights)
+    if add:
+        want_summed, hidden = add_rms_norm(residual, x, norm_weight, 1e-6)
+        assert torch.equal(summed, want_summed)
+    else:
+        hidden = rms_norm(residual, norm_weight, 1e-6)
+        assert summed is residual or torch.equal(summed, residual)
+    unfused = linear_gemv_group(hidden, weights)
+    _, ref = add_rms_norm_gemv_group_ref(residual, x, norm_weight, 1e-6, weights)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=0.02)
+    for got, seq, want in zip(outs, unfused, ref):
+        if DEVICE == "cpu":
+            assert torch.equal(got, seq)
+        else:
+            torch.testing.assert_close(got, seq, **tol)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_add_rms_norm_gemv_group_refuses_a_norm_weight_of_another_dtype():
+    residual = _randn(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm weight"):
+        add_rms_norm_gemv_group(residual, None, _randn(32), 1e-6, [_randn(8, 32, dtype=torch.bfloat16)])
