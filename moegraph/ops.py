@@ -62,6 +62,9 @@ class OpTable:
     qkv: Callable  # (attention module, x) -> (q_proj(x), k_proj(x), v_proj(x))
     # (RMSNorm module, residual, x or None, attention module) -> (residual + x, qkv(attn, norm(residual + x)))
     add_norm_qkv: Callable
+    # (RMSNorm module, residual, x, router weight [E, H]) -> (residual + x, hidden = norm(residual + x),
+    # router_logits(hidden, weight))
+    add_norm_router: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
 
     def describe(self) -> str:
@@ -146,6 +149,22 @@ def _dense_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch
     biases = [m.bias for m in modules] if with_bias.pop() else None
     return gemv.add_rms_norm_gemv_group(residual, x, norm.weight, norm.variance_epsilon, [m.weight for m in modules],
                                         biases)
+
+
+def _add_norm_then_router(add_rms_norm_op: Callable, router_logits: Callable, norm: nn.Module,
+                          residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """The unfused add_norm_router: the table's norm op, then its router logits."""
+    residual, hidden = add_rms_norm_op(residual, x, norm.weight, norm.variance_epsilon)
+    return residual, hidden, router_logits(hidden, weight)
+
+
+def _gemv_add_norm_router(unfused: Callable, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
+                          weight: torch.Tensor):
+    """add + RMSNorm + router logits in one GEMV launch that also writes the normalized rows (kernels/gemv.py),
+    where the GEMV takes the rows; otherwise `unfused`."""
+    if not _gemv_takes(weight, residual, gemv.NORM_MAX_ROWS) or norm.weight.dtype != residual.dtype:
+        return unfused(norm, residual, x, weight)
+    return gemv.add_rms_norm_gemv(residual, x, norm.weight, norm.variance_epsilon, weight)
 
 
 def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -254,12 +273,18 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"
         qkv = functools.partial(_qkv_one_by_one, linear)
+    router_logits = _router_logits_gemv if kernel_name == "triton" else _router_logits_linear
     add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
+    add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"], router_logits)
     if qkv is _dense_gemv_qkv:
         add_norm_qkv = functools.partial(_dense_gemv_add_norm_qkv, add_norm_qkv)
+    if kernel_name == "triton":
+        add_norm_router = functools.partial(_gemv_add_norm_router, add_norm_router)
+    fused_norms = (("; the norm before attention inside the q/k/v GEMV" if qkv is _dense_gemv_qkv else "")
+                   + (f"; the norm before a linear router inside its GEMV (up to {gemv.NORM_MAX_ROWS} rows)"
+                      if kernel_name == "triton" else ""))
     reasons = (
-        ("norms", kernel_name, kernel_why + ("; the norm before attention inside the q/k/v GEMV where it runs"
-                                             if qkv is _dense_gemv_qkv else "")),
+        ("norms", kernel_name, kernel_why + fused_norms),
         ("qk_norm_rope", kernel_name, kernel_why),
         ("attention", kernel_name, "split-KV decode attention over live positions" if kernel_name == "triton"
          else "torch SDPA over the whole cache, masked"),
@@ -272,8 +297,8 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
                    capture_safe=backend.capture_safe and device.type == "cuda",
                    experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv,
-                   add_norm_qkv=add_norm_qkv, reasons=reasons,
-                   router_logits=_router_logits_gemv if kernel_name == "triton" else _router_logits_linear,
+                   add_norm_qkv=add_norm_qkv, add_norm_router=add_norm_router, reasons=reasons,
+                   router_logits=router_logits,
                    **small_ops)
 
 

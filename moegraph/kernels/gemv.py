@@ -6,7 +6,8 @@ in one launch, read from the module's own parameters (no concatenated copy to ke
 add_rms_norm_gemv_group(residual, x, norm_weight, eps, weights, biases) -> (residual + x, outputs): the decoder
 layer's add + RMSNorm fused in front of the group (kernels/rms_norm.py's rounding): every program normalizes the
 few rows itself (a few KB from L2, while its first weight step is in flight), so the norm costs no launch of its
-own; program 0 writes the summed residual stream.
+own; program 0 writes the summed residual stream. add_rms_norm_gemv(...) -> (residual + x, the normalized rows,
+output) does the same for one weight whose input other kernels read too (the router's, before the experts).
 cuBLAS runs a handful of rows as a GEMM with a tile far taller than the rows; here each program owns BLOCK_N
 output columns for all M rows (M <= MAX_ROWS): it reads its weight tile once, in wide BLOCK_K steps, and
 multiplies it with every row in registers (float32 products, one sum per step), so the weights stream at
@@ -33,6 +34,9 @@ MAX_ROWS = 8  # the kernel's limit (the [rows, BLOCK_N, BLOCK_K] products live i
 QKV_MAX_ROWS = 4
 LINEAR_MAX_ROWS = 2
 ROUTER_MAX_ROWS = 8
+# rows up to which a norm runs inside the router's GEMV (every program normalizes them: more rows, more work
+# per program); the q/k/v GEMV's own limit until the fused prologue is timed at more rows
+NORM_MAX_ROWS = QKV_MAX_ROWS
 WIDE_N = 32768  # outputs from which cuBLAS is as fast at any row count (the lm_head)
 NUM_WARPS = 4
 
@@ -80,9 +84,9 @@ def _row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS
 
 
 @triton.jit
-def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, eps, WRITE_SUM,
+def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, WRITE_SUM,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-               NORM: tl.constexpr, HAS_ADD: tl.constexpr, USE_PDL: tl.constexpr):
+               NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr):
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_mask = cols < N
     rows = tl.arange(0, ROWS)
@@ -101,6 +105,9 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
+        if STORE_NORMED:
+            if WRITE_SUM:
+                tl.store(normed_ptr + rows[:, None] * K + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
         next_ks = ks + BLOCK_K  # all masked off after the last step
         next_w = tl.load(w_rows + next_ks[None, :], mask=col_mask[:, None] & (next_ks < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
@@ -113,22 +120,24 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum
 
 @triton.jit
 def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, N2, tiles0, tiles01, M, K,
-                       res_ptr, nw_ptr, sum_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr = False,
-                       HAS_ADD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       HAS_ADD: tl.constexpr = False, STORE_NORMED: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
     """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's.
-    NORM: x is (residual +) the rows before RMSNorm (weight nw_ptr), normalized here; program 0 writes the sum."""
+    NORM: x is (residual +) the rows before RMSNorm (weight nw_ptr), normalized here; program 0 writes the sum
+    (HAS_ADD) and the normalized rows (STORE_NORMED)."""
     tile = tl.program_id(0)
-    write_sum = tile == 0
+    first = tile == 0
     if tile < tiles0:
-        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS, BLOCK_N,
-                   BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
+        _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first, ROWS,
+                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
     elif tile < tiles01:
-        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS,
-                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
+        _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first,
+                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
     else:
-        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, res_ptr, nw_ptr, sum_ptr, eps, write_sum, ROWS,
-                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, USE_PDL)
+        _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first,
+                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
 
 
 def _check_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
@@ -144,7 +153,8 @@ def _check_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
 
 
 def _launch_group(x, weights, biases, tile, num_warps, norm=None):
-    """norm: None, or (residual or None, norm weight, eps, summed output): x is normalized in the kernel."""
+    """norm: None, or (residual or None, norm weight, eps, summed output, normalized output or None): x is
+    normalized in the kernel."""
     _check_group(x, weights)
     rows, k = x.shape
     block_n, block_k = tile or tile_for(rows, max(w.shape[0] for w in weights), k)
@@ -158,12 +168,14 @@ def _launch_group(x, weights, biases, tile, num_warps, norm=None):
     args = []
     for w, b, out in padded:
         args += [w, b if b is not None else w, out, w.shape[0]]
-    residual, norm_weight, eps, summed = norm if norm is not None else (None, x, 0.0, x)
+    residual, norm_weight, eps, summed, normed = norm if norm is not None else (None, x, 0.0, x, None)
     _gemv_group_kernel[(sum(tiles),)](x, *args, tiles[0], tiles[0] + tiles[1], rows, k,
-                                      residual if residual is not None else x, norm_weight, summed, eps,
+                                      residual if residual is not None else x, norm_weight, summed,
+                                      normed if normed is not None else x, eps,
                                       ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
                                       HAS_BIAS=biases is not None, NORM=norm is not None,
-                                      HAS_ADD=residual is not None, num_warps=num_warps, **pdl(x.device))
+                                      HAS_ADD=residual is not None, STORE_NORMED=normed is not None,
+                                      num_warps=num_warps, **pdl(x.device))
     return tuple(outs)
 
 
@@ -180,18 +192,35 @@ def add_rms_norm_gemv_group(residual: torch.Tensor, x: torch.Tensor | None, norm
                             num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """(residual + x, each weight times RMSNorm(residual + x)) in one launch; x None: no add (residual returned
     as it is). The norm weight is of the rows' dtype (the normalized rows are what the weights multiply)."""
+    summed, _, outs = _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, False)
+    return summed, outs
+
+
+def add_rms_norm_gemv(residual: torch.Tensor, x: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, tile: tuple[int, int] | None = None,
+                      num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(residual + x, RMSNorm(residual + x), weight times it) in one launch: a norm whose output other kernels
+    read too (the router's, before the experts)."""
+    summed, normed, (out,) = _add_rms_norm_launch(residual, x, norm_weight, eps, [weight], None, tile, num_warps,
+                                                  True)
+    return summed, normed, out
+
+
+def _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, store_normed: bool):
     if norm_weight.shape != (residual.shape[-1],) or norm_weight.dtype != residual.dtype:
-        raise ValueError(f"add_rms_norm_gemv_group: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} "
+        raise ValueError(f"add_rms_norm_gemv: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} "
                          f"does not take rows {tuple(residual.shape)} {residual.dtype}")
     residual = residual.contiguous()
+    normed = torch.empty_like(residual) if store_normed else None
     if x is None:
-        return residual, _launch_group(residual, weights, biases, tile, num_warps, (None, norm_weight, eps, residual))
+        outs = _launch_group(residual, weights, biases, tile, num_warps, (None, norm_weight, eps, residual, normed))
+        return residual, normed, outs
     if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(f"add_rms_norm_gemv_group: x {tuple(x.shape)} {x.dtype} != residual "
+        raise ValueError(f"add_rms_norm_gemv: x {tuple(x.shape)} {x.dtype} != residual "
                          f"{tuple(residual.shape)} {residual.dtype}")
     summed = torch.empty_like(residual)
-    outs = _launch_group(x.contiguous(), weights, biases, tile, num_warps, (residual, norm_weight, eps, summed))
-    return summed, outs
+    outs = _launch_group(x.contiguous(), weights, biases, tile, num_warps, (residual, norm_weight, eps, summed, normed))
+    return summed, normed, outs
 
 
 def add_rms_norm_gemv_group_ref(residual, x, norm_weight, eps, weights, biases=None):

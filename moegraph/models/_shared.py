@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 # (attention module, (q, k, v) projected rows, cos, sin, positions, key_cache, value_cache, ops, cache_rows=None)
 # -> [b, H]
 Attention = Callable[..., torch.Tensor]
-# (MLP module, hidden [b, H], ops) -> [b, H]
-Mlp = Callable[[nn.Module, torch.Tensor, object], torch.Tensor]
+# (MLP module, hidden [b, H], ops) -> [b, H]; with a RouterWeight, also router_logits=[b, E] or None (compute them)
+Mlp = Callable[..., torch.Tensor]
+# MLP module -> the weight [E, H] of its router's logits (hidden @ weight.T, no bias) or None (a dense MLP, or
+# a router computed otherwise): where given, the norm before the MLP runs inside the router's GEMV
+RouterWeight = Callable[[nn.Module], "torch.Tensor | None"]
 # (norm module, residual [b, H], x [b, H] or None, ops) -> (residual + x, norm(residual + x)); x None: no add
 AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -40,11 +43,29 @@ def _norm_qkv(add_norm: AddNorm, norm: nn.Module, attn: nn.Module, residual: tor
     return residual, ops.qkv(attn, hidden)
 
 
+def moe_gate_weight(mlp: nn.Module) -> torch.Tensor | None:
+    """RouterWeight of the blocks whose `gate` is a plain linear router (Qwen, Mixtral, OLMoE)."""
+    return mlp.gate.weight if hasattr(mlp, "experts") else None
+
+
+def _norm_mlp(add_norm: AddNorm, router_weight: RouterWeight | None, mlp: Mlp, norm: nn.Module, module: nn.Module,
+              residual: torch.Tensor, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm before the MLP and the MLP: (residual + x, mlp output). With the standard add + RMSNorm and a
+    linear router, ops.add_norm_router computes the norm and the router logits together."""
+    weight = router_weight(module) if router_weight is not None and add_norm is add_rms_norm else None
+    if weight is None:
+        residual, hidden = add_norm(norm, residual, x, ops)
+        return residual, mlp(module, hidden, ops)
+    residual, hidden, router_logits = ops.add_norm_router(norm, residual, x, weight)
+    return residual, mlp(module, hidden, ops, router_logits=router_logits)
+
+
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                            ops, rope_positions: torch.Tensor | None, attention: Attention, mlp: Mlp,
                            text_model: nn.Module | None = None, rope_components: int = 1,
                            add_norm: AddNorm = add_rms_norm, cache_rows: torch.Tensor | None = None,
-                           logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                           logit_rows: torch.Tensor | None = None,
+                           router_weight: RouterWeight | None = None) -> torch.Tensor:
     """token_ids, positions: [b] (position = index in the row's compact cache). Returns logits [b, V] float32.
 
     text_model: the decoder stack (layers, embed_tokens, norm, rotary_emb), where it is not `model.model` (e.g.
@@ -58,6 +79,7 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
     cache_rows [b]: the cache row of each row's token (None: row i is cache row i); with it the rows can be the
     tokens of prompts, several per cache row, each attending to its row's positions up to its own (a prefill).
     logit_rows: the rows whose logits are returned (None: all), e.g. each prompt's last token.
+    router_weight: where a layer's MLP has a linear router, its weight (the MLP then takes router_logits=).
     Per layer: add+RMSNorm with q/k/v, attention, add+RMSNorm, MLP; the residual adds are fused into the next
     norm."""
     inner = model.model if text_model is None else text_model
@@ -72,8 +94,8 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
         residual, qkv = _norm_qkv(add_norm, layer.input_layernorm, layer.self_attn, residual, mlp_out, ops)
         attn_out = attention(layer.self_attn, qkv, cos, sin, positions, cache.keys[layer_idx],
                              cache.values[layer_idx], ops, cache_rows=cache_rows)
-        residual, hidden = add_norm(layer.post_attention_layernorm, residual, attn_out, ops)
-        mlp_out = mlp(layer.mlp, hidden, ops)
+        residual, mlp_out = _norm_mlp(add_norm, router_weight, mlp, layer.post_attention_layernorm, layer.mlp,
+                                      residual, attn_out, ops)
     residual, hidden = add_norm(inner.norm, residual, mlp_out, ops)
     if logit_rows is not None:
         hidden = hidden.index_select(0, logit_rows)

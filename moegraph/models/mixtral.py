@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache, sliding_window_check
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, sliding_window_check
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -35,7 +35,8 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
                    logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): RoPE-only attention, MoE blocks."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, decode_moe,
-                                  cache_rows=cache_rows, logit_rows=logit_rows)
+                                  cache_rows=cache_rows, logit_rows=logit_rows,
+                                  router_weight=moe_gate_weight)
 
 
 def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
@@ -49,9 +50,11 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
     return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
-def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
+               router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """MixtralSparseMoeBlock for [b, H] decode rows (eval: no jitter noise). No router logits are recorded."""
     gate = block.gate
-    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
+    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, True, weights_dtype=torch.float32)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -59,7 +59,8 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): RoPE-only attention with q/k/v
     biases, MoE blocks with a gated shared expert (dense MLP layers where the config puts them)."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
-                                  cache_rows=cache_rows, logit_rows=logit_rows)
+                                  cache_rows=cache_rows, logit_rows=logit_rows,
+                                  router_weight=moe_gate_weight)
 
 
 def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
@@ -73,8 +74,9 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
     return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
-def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
-    return decode_moe(mlp, hidden, ops) if hasattr(mlp, "experts") else dense_mlp(mlp, hidden, ops)
+def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
+         router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    return decode_moe(mlp, hidden, ops, router_logits) if hasattr(mlp, "experts") else dense_mlp(mlp, hidden, ops)
 
 
 def dense_mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
@@ -84,10 +86,12 @@ def dense_mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
     return ops.linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
-def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
+               router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen2MoeSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
     gate = block.gate
-    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
+    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)  # logits' dtype
     routed = ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
     shared = dense_mlp(block.shared_expert, hidden, ops)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, prenorm_decode_forward, rows_of_cache
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -29,7 +29,8 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     """One step for every row (moegraph.models._shared.prenorm_decode_forward): q/k-norm attention, MoE blocks
     (dense MLP layers, `mlp_only_layers`, through their own module)."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
-                                  cache_rows=cache_rows, logit_rows=logit_rows)
+                                  cache_rows=cache_rows, logit_rows=logit_rows,
+                                  router_weight=moe_gate_weight)
 
 
 def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
@@ -43,13 +44,16 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
     return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
-def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
-    return decode_moe(mlp, hidden, ops) if hasattr(mlp, "experts") else mlp(hidden)
+def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
+         router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    return decode_moe(mlp, hidden, ops, router_logits) if hasattr(mlp, "experts") else mlp(hidden)
 
 
-def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
+               router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse block for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
     gate = block.gate
-    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
+    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import prenorm_decode_forward
+from ._shared import moe_gate_weight, prenorm_decode_forward
 from .qwen3_moe import _attention
 
 if TYPE_CHECKING:
@@ -78,17 +78,21 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
     own module)."""
     return prenorm_decode_forward(model, cache, token_ids, positions, ops, rope_positions, _attention, _mlp,
                                   text_model=model.model.language_model, rope_components=3,
-                                  cache_rows=cache_rows, logit_rows=logit_rows)
+                                  cache_rows=cache_rows, logit_rows=logit_rows,
+                                  router_weight=moe_gate_weight)
 
 
-def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
-    return decode_moe(mlp, hidden, ops) if hasattr(mlp, "experts") else mlp(hidden)
+def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
+         router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    return decode_moe(mlp, hidden, ops, router_logits) if hasattr(mlp, "experts") else mlp(hidden)
 
 
-def decode_moe(block: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
+def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
+               router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3VLMoeTextSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are
     recorded."""
     gate = block.gate
-    router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
+    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, True)  # the logits' dtype
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moegraph.kernels import triton_available
-from moegraph.kernels.gemv import (add_rms_norm_gemv_group, add_rms_norm_gemv_group_ref, linear_gemv, linear_gemv_group,
+from moegraph.kernels.gemv import (add_rms_norm_gemv, add_rms_norm_gemv_group, add_rms_norm_gemv_group_ref, linear_gemv, linear_gemv_group,
                                    linear_gemv_ref)
 from moegraph.kernels.rms_norm import add_rms_norm, rms_norm
 
@@ -78,3 +78,21 @@ def test_add_rms_norm_gemv_group_refuses_a_norm_weight_of_another_dtype():
     residual = _randn(1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="norm weight"):
         add_rms_norm_gemv_group(residual, None, _randn(32), 1e-6, [_randn(8, 32, dtype=torch.bfloat16)])
+
+
+@pytest.mark.parametrize("rows, k, dtype", [(1, 64, torch.bfloat16), (5, 300, torch.float32)])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_gemv_returns_the_normalized_rows_too(rows, k, dtype, add):
+    """The router's fused norm: the normalized rows (what the experts read) are the norm kernel's."""
+    residual, x = _randn(rows, k, dtype=dtype, seed=20), _randn(rows, k, dtype=dtype, seed=21) if add else None
+    norm_weight = (1 + 0.1 * _randn(k, seed=22)).to(dtype)
+    weight = 0.05 * _randn(12, k, dtype=dtype, seed=23)
+    summed, normed, out = add_rms_norm_gemv(residual, x, norm_weight, 1e-6, weight)
+    want_summed, want_normed = (add_rms_norm(residual, x, norm_weight, 1e-6) if add
+                                else (residual, rms_norm(residual, norm_weight, 1e-6)))
+    assert torch.equal(summed, want_summed)
+    if DEVICE == "cpu":  # the same sums in the same order
+        assert torch.equal(normed, want_normed) and torch.equal(out, linear_gemv(want_normed, weight))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=0.02)
+    torch.testing.assert_close(normed.float(), want_normed.float(), **tol)
+    torch.testing.assert_close(out.float(), linear_gemv_ref(normed, weight).float(), **tol)
