@@ -7,39 +7,20 @@ drains buys. Greedy tokens must not change (the kernels compute the same thing i
 
 import argparse
 import os
-import statistics
 
 import torch
 
-import moegraph
+from _decode import ab_table, decode
 from moegraph.kernels import _triton
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
-from moegraph.testing import build_model, random_prompts
+from moegraph.testing import build_model
 
 
 def _set_pdl(on: bool) -> None:
     """MOEGRAPH_PDL is read once per device: clear that reading (the graphs are captured anew by each patch)."""
     os.environ["MOEGRAPH_PDL"] = "1" if on else "0"
     _triton._pdl_on.cache_clear()
-
-
-def decode(model, batch_size, new_tokens, runs):
-    """(median decode ms/step, tokens) of `runs` greedy calls after a warm one."""
-    inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=128,
-                            seed=batch_size, device="cuda")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    moegraph.patch(model, max_batch_size=max(batch_size, 8))
-    try:
-        tokens = model.generate(**inputs, **kw)
-        times = []
-        for _ in range(runs):
-            model.generate(**inputs, **kw)
-            stats = moegraph.decode_stats(model)
-            times.append(1e3 * stats.decode_seconds / max(stats.steps - 1, 1))
-    finally:
-        moegraph.unpatch(model)
-    return statistics.median(times), tokens.cpu()
 
 
 def main():
@@ -63,14 +44,12 @@ def main():
             results = {}
             for on in (False, True):
                 _set_pdl(on)
-                results[on] = decode(model, bs, args.new_tokens, args.runs)
+                results[on] = decode(model, bs, args.new_tokens, args.runs)[:2]
             (off_ms, off_tokens), (on_ms, on_tokens) = results[False], results[True]
             rows.append((weights, bs, off_ms, on_ms, torch.equal(off_tokens, on_tokens)))
             print(rows[-1], flush=True)
     print(f"\nlayers={args.num_layers} new_tokens={args.new_tokens} runs={args.runs}")
-    print(f"{'weights':>7} {'bs':>3} {'PDL off ms':>10} {'PDL on ms':>9} {'speedup':>7} same tokens")
-    for weights, bs, off, on, same in rows:
-        print(f"{weights:>7} {bs:>3} {off:10.3f} {on:9.3f} {off / on:7.3f} {same}")
+    print(ab_table(rows, "PDL off", "PDL on"))
 
 
 if __name__ == "__main__":

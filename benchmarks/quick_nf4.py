@@ -3,27 +3,19 @@ Linear4bit projections) on a few full-size Qwen3-30B-A3B layers, the same model 
 plus the kernels of one NF4 decode step. Final figures come from `python -m moegraph bench --quant nf4`."""
 
 import argparse
+
 import torch
 
 import moegraph
-from moegraph.bench import timed_call
+from _decode import decode
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
-from moegraph.testing import build_model, random_prompts
+from moegraph.testing import build_model
 
 
 def decode_ms(model, batch_size, new_tokens):
-    inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=128,
-                            seed=batch_size, device="cuda")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    moegraph.patch(model, max_batch_size=max(batch_size, 8))
-    try:
-        model.generate(**inputs, **kw)
-        out, seconds = timed_call(lambda: model.generate(**inputs, **kw))
-        stats = moegraph.decode_stats(model)
-    finally:
-        moegraph.unpatch(model)
-    return 1e3 * stats.decode_seconds / max(stats.steps - 1, 1), 1e3 * stats.prefill_seconds, stats.graphs
+    ms, _, stats = decode(model, batch_size, new_tokens, runs=1)
+    return ms, 1e3 * stats.prefill_seconds, stats.graphs
 
 
 def kernels_of_one_step(model, label, batch_size=1, top=14):

@@ -253,8 +253,9 @@ def _choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 @functools.lru_cache(maxsize=None)
 def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightFormats(), moe_backend: str = "auto",
-                head_dim: int = 128, kernels: str = "auto") -> OpTable:
-    """The op table for one key; cached, so every caller with the same key shares one decision."""
+                head_dim: int = 128, kernels: str = "auto", fuse_norms: bool = True) -> OpTable:
+    """The op table for one key; cached, so every caller with the same key shares one decision.
+    fuse_norms=False keeps the norms before attention and the router in their own launches (benchmarks)."""
     device = normalize_device(device)
     small_ops, kernel_name, kernel_why = _choose_kernels(device, dtype, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
@@ -276,13 +277,14 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     router_logits = _router_logits_gemv if kernel_name == "triton" else _router_logits_linear
     add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
     add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"], router_logits)
-    if qkv is _dense_gemv_qkv:
+    fuse_qkv, fuse_router = fuse_norms and qkv is _dense_gemv_qkv, fuse_norms and kernel_name == "triton"
+    if fuse_qkv:
         add_norm_qkv = functools.partial(_dense_gemv_add_norm_qkv, add_norm_qkv)
-    if kernel_name == "triton":
+    if fuse_router:
         add_norm_router = functools.partial(_gemv_add_norm_router, add_norm_router)
-    fused_norms = (("; the norm before attention inside the q/k/v GEMV" if qkv is _dense_gemv_qkv else "")
+    fused_norms = (("; the norm before attention inside the q/k/v GEMV" if fuse_qkv else "")
                    + (f"; the norm before a linear router inside its GEMV (up to {gemv.NORM_MAX_ROWS} rows)"
-                      if kernel_name == "triton" else ""))
+                      if fuse_router else ""))
     reasons = (
         ("norms", kernel_name, kernel_why + fused_norms),
         ("qk_norm_rope", kernel_name, kernel_why),
@@ -340,16 +342,18 @@ def _first_experts(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto") -> OpTable:
+def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto",
+                  fuse_norms: bool = True) -> OpTable:
     """The table for a model's decode step, from its device, expert dtype and weight formats."""
     config = model.config.get_text_config()  # a vision-language model's decoder config is nested
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     experts = _first_experts(model)
     if experts is None:
         formats = WeightFormats(DENSE, _projection_format(model))
-        return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels)
+        return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels, fuse_norms)
     formats = WeightFormats(experts_format(experts), _projection_format(model))
-    return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels)
+    return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels,
+                       fuse_norms)
 
 
 # experts module -> {(moe_backend, device, dtype): its table}: what the registered experts functions read per call

@@ -43,6 +43,10 @@ class _KernelTable:
         return sum(k.calls for k in self.kernels)
 
     @property
+    def kernels_per_layer(self) -> float:
+        return self.calls / self.layers
+
+    @property
     def total_us(self) -> float:
         return sum(k.total_us for k in self.kernels)
 
@@ -64,7 +68,7 @@ class StepProfile(_KernelTable):
 
     def format(self, top: int = 12) -> str:
         head = (f"profile (batch {self.batch_size}): {self.calls} {self._what()} in one eager decode step, "
-                f"{self.calls / self.layers:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms")
+                f"{self.kernels_per_layer:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms")
         if self.graph_replay_ms is not None:
             head += f"; the captured graph replays in {self.graph_replay_ms:.3f} ms"
         return "\n".join([head] + self._top_lines(top))
@@ -83,7 +87,7 @@ class PrefillProfile(_KernelTable):
     def format(self, top: int = 12) -> str:
         head = (f"prefill profile ({'moegraph' if self.patched else 'transformers'}, batch {self.batch_size}, "
                 f"{self.prompt_len}-token prompts): {self.calls} {self._what()} in one first token, "
-                f"{self.calls / self.layers:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms of them; "
+                f"{self.kernels_per_layer:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms of them; "
                 f"the first token takes {self.first_token_ms:.2f} ms (wall, synchronized)")
         return "\n".join([head] + self._top_lines(top))
 

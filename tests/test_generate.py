@@ -201,6 +201,31 @@ def test_triton_decode_kernels_equal_transformers(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
+    """With the Triton kernels (the interpreter here) at decode batch sizes, the norm before attention runs inside
+    the q/k/v GEMV and the one before the MoE block inside the router's, one launch each per layer and step;
+    fuse_norms=False keeps them apart. transformers' tokens either way."""
+    from moegraph import ops
+    from moegraph.cuda_graph import decoder
+    from moegraph.kernels import gemv
+
+    model = build_model("tiny", seed=4, num_layers=2)
+    monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
+        m, backend, kernels="triton", fuse_norms=fuse_norms))
+    calls = {"qkv": 0, "router": 0}
+    for name, key in (("add_rms_norm_gemv_group", "qkv"), ("add_rms_norm_gemv", "router")):
+        def counted(*args, _fn=getattr(gemv, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(gemv, name, counted)
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=23)
+    want, got, stats = _both(model, inputs, max_new_tokens=4, do_sample=False)
+    assert stats.fallback_reason is None and torch.equal(got, want)
+    launches = (2 if fuse_norms else 0) * (stats.steps - 1)  # layers x decode steps (the first token: prefill's)
+    assert calls == {"qkv": launches, "router": launches}
+
+
 def test_failed_capture_warns_and_decodes_eagerly(model, monkeypatch, caplog):
     """A capture that raises must give one warning and the same tokens from the eager loop."""
     from moegraph.cuda_graph import decoder, graphs
