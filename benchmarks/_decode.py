@@ -27,6 +27,29 @@ def decode(model, batch_size: int, new_tokens: int, runs: int):
     return statistics.median(times), tokens.cpu(), stats
 
 
+def replay_us(fn, calls=20, replays=10):
+    """Microseconds of one fn() call: `calls` of them captured back to back in a CUDA graph (launch gaps count as
+    in the decode graphs), replayed `replays` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (calls * replays)
+
+
 def ab_table(rows, off: str, on: str) -> str:
     """rows of (weights, batch, ms off, ms on, same tokens) as a table; off/on: the columns' names."""
     lines = [f"{'weights':>7} {'bs':>3} {off + ' ms':>14} {on + ' ms':>14} {'speedup':>7} same tokens"]

@@ -14,6 +14,7 @@ import itertools
 import torch
 
 import moegraph
+from _decode import replay_us
 from moegraph import ops as ops_module
 from moegraph.kernels import fused_moe, gemv, moe_combine
 from moegraph.testing import build_model, random_prompts
@@ -22,27 +23,6 @@ SHAPES = {"qkv": (2048, (4096, 512, 512)), "o": (4096, (2048,)), "lm_head": (204
           "router": (2048, (128,))}
 GEMV_TILES = [(2, 1024), (4, 1024), (4, 512), (8, 512), (8, 256), (16, 256)]
 PAIR_TILES = [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)]
-
-
-def _replay_us(fn, calls=20, replays=10):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (calls * replays)
 
 
 def gemv_table():
@@ -55,8 +35,8 @@ def gemv_table():
             want = torch.cat([torch.nn.functional.linear(x.float(), w.float()) for w in weights], 1)
             got = torch.cat(gemv.linear_gemv_group(x, weights), 1).float()
             assert (got - want).abs().max() < 0.05 * want.abs().max(), name
-            base = _replay_us(lambda: [torch.nn.functional.linear(x, w) for w in weights])
-            tiles = [(t, _replay_us(lambda t=t: gemv.linear_gemv_group(x, weights, tile=t))) for t in GEMV_TILES]
+            base = replay_us(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+            tiles = [(t, replay_us(lambda t=t: gemv.linear_gemv_group(x, weights, tile=t))) for t in GEMV_TILES]
             tile, us = min(tiles, key=lambda r: r[1])
             chosen = gemv.tile_for(m, max(ns), k)
             print(f"{name:>8} {m:>2} {base:11.2f} {str(tile):>12} {us:7.2f} {nbytes / us / 1e6:6.2f} "
@@ -76,7 +56,7 @@ def experts_table():
         nbytes = distinct * 3 * hidden * inter * 2
         keep = fused_moe.PAIR_GEMV_MAX_TOKENS
         fused_moe.PAIR_GEMV_MAX_TOKENS = 0
-        blocks = _replay_us(lambda: fused_moe.fused_moe_experts(x, index, weights, gate_up, down,
+        blocks = replay_us(lambda: fused_moe.fused_moe_experts(x, index, weights, gate_up, down,
                                                                 moe_combine.moe_combine))
         fused_moe.PAIR_GEMV_MAX_TOKENS = keep
         ref = fused_moe.fused_moe_experts_ref(x, index, weights, gate_up, down).float()
@@ -86,7 +66,7 @@ def experts_table():
             return moe_combine.moe_combine(out, None, weights, x.dtype)
 
         assert ((pair(PAIR_TILES[0]).float() - ref).norm() / ref.norm()) < 1e-2
-        tiles = [(t, _replay_us(lambda t=t: pair(t))) for t in PAIR_TILES]
+        tiles = [(t, replay_us(lambda t=t: pair(t))) for t in PAIR_TILES]
         tile, us = min(tiles, key=lambda r: r[1])
         chosen = (fused_moe.PAIR_BLOCK_N, fused_moe.PAIR_BLOCK_K)
         print(f"{tokens:>2} {distinct:>8} {blocks:9.2f} {str(tile):>10} {us:7.2f} {nbytes / us / 1e6:6.2f} "
@@ -112,7 +92,7 @@ def sweep_table():
             cells = []
             for tile in ((2, 1024), (4, 1024), (8, 1024), (2, 2048), (4, 2048), (1, 2048)):
                 for warps in (2, 4, 8):
-                    cells.append(f"{tile[0]}x{tile[1]}/{warps}:{_replay_us(lambda: fn(tile, warps)):.1f}")
+                    cells.append(f"{tile[0]}x{tile[1]}/{warps}:{replay_us(lambda: fn(tile, warps)):.1f}")
             print(f"{label:>6} T={tokens} " + " ".join(cells))
 
 

@@ -38,15 +38,44 @@ PAIR_BLOCK_N = 2
 PAIR_BLOCK_K = 2048
 PAIR_NUM_WARPS = 2
 ALIGN_BLOCK_I = 32  # pairs ranked per grouping program (fewer for fewer pairs)
+# Grouping: "compare" ranks every pair against every other, BLOCK_I at a time (num_pairs / 32 dependent steps:
+# 31 us a layer at 1,024 pairs, 239 us at 8,192 on the H200, the prefill profile of 2026-12-04); "histogram" counts
+# BLOCK_J pairs a step. The default stays "compare" until benchmarks/align_blocks.py has timed both on a GPU.
+ALIGN_METHODS = ("compare", "histogram")
+ALIGN_METHOD = "compare"
+HISTOGRAM_BLOCK_I = 64
+HISTOGRAM_BLOCK_J = 1024
+
+
+@triton.jit
+def _place_pairs(counts, rank, expert_i, i, i_mask, experts, position_ptr, slot_token_ptr, block_expert_ptr,
+                 num_experts, num_blocks, is_first, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """From the pairs' expert counts and each ranked pair's rank among the earlier pairs of its expert: its slot
+    (start of its expert's group + rank); the first program also writes each block's expert (-1 past the last)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    slot = tl.gather(starts, tl.where(i_mask, expert_i, 0), 0) + rank
+    tl.store(position_ptr + i, slot.to(tl.int64), mask=i_mask)
+    tl.store(slot_token_ptr + slot, (i // TOP_K).to(tl.int64), mask=i_mask)
+    if is_first:
+        used_blocks = tl.sum(padded, axis=0) // BLOCK_M
+        for b0 in range(0, num_blocks, BLOCK_E):
+            b = b0 + experts
+            tl.store(block_expert_ptr + b, tl.full([BLOCK_E], -1, tl.int32), mask=(b >= used_blocks) & (b < num_blocks))
+        first_block = starts // BLOCK_M
+        expert_blocks = padded // BLOCK_M
+        for j in range(0, tl.max(expert_blocks, axis=0)):  # an expert's blocks are consecutive
+            tl.store(block_expert_ptr + first_block + j, experts, mask=(j < expert_blocks) & (experts < num_experts))
 
 
 @triton.jit
 def _align_blocks_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_ptr, num_pairs, num_experts,
                          num_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                          BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Rank BLOCK_I pairs (a counting sort: slot = start of its expert's group + earlier pairs of that expert);
-    program 0 also writes each block's expert (-1 past the last group). Small [BLOCK_I, BLOCK_E] tiles only:
-    the [64, 128] masks of the first version spilled and took ~11 us at batch 1."""
+    """Rank BLOCK_I pairs (a counting sort: slot = start of its expert's group + earlier pairs of that expert) by
+    comparing them with every pair, BLOCK_I at a time. Small [BLOCK_I, BLOCK_E] tiles only: the [64, 128] masks of
+    the first version spilled and took ~11 us at batch 1."""
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
@@ -60,20 +89,44 @@ def _align_blocks_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_
         expert_j = tl.load(expert_ptr + j, mask=j < num_pairs, other=-1)
         counts += tl.sum((expert_j[:, None] == experts[None, :]).to(tl.int32), axis=0)
         rank += tl.sum(((expert_i[:, None] == expert_j[None, :]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
-    slot = tl.gather(starts, tl.where(i_mask, expert_i, 0), 0) + rank
-    tl.store(position_ptr + i, slot.to(tl.int64), mask=i_mask)
-    tl.store(slot_token_ptr + slot, (i // TOP_K).to(tl.int64), mask=i_mask)
-    if pid == 0:
-        used_blocks = tl.sum(padded, axis=0) // BLOCK_M
-        for b0 in range(0, num_blocks, BLOCK_E):
-            b = b0 + experts
-            tl.store(block_expert_ptr + b, tl.full([BLOCK_E], -1, tl.int32), mask=(b >= used_blocks) & (b < num_blocks))
-        first_block = starts // BLOCK_M
-        expert_blocks = padded // BLOCK_M
-        for j in range(0, tl.max(expert_blocks, axis=0)):  # an expert's blocks are consecutive
-            tl.store(block_expert_ptr + first_block + j, experts, mask=(j < expert_blocks) & (experts < num_experts))
+    _place_pairs(counts, rank, expert_i, i, i_mask, experts, position_ptr, slot_token_ptr, block_expert_ptr,
+                 num_experts, num_blocks, pid == 0, TOP_K, BLOCK_M, BLOCK_E)
+
+
+@triton.jit
+def _expert_histogram(expert, keep, experts, BLOCK_E: tl.constexpr):
+    """Pairs per expert among those kept (the dropped ones are counted in bin 0, then taken out again)."""
+    dropped = tl.sum((~keep).to(tl.int32), axis=0)
+    return tl.histogram(tl.where(keep, expert, 0).to(tl.int32), BLOCK_E) - tl.where(experts == 0, dropped, 0)
+
+
+@triton.jit
+def _align_blocks_histogram_kernel(expert_ptr, position_ptr, slot_token_ptr, block_expert_ptr, num_pairs,
+                                   num_experts, num_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+                                   USE_PDL: tl.constexpr = False):
+    """The same counting sort, counted with histograms of BLOCK_J pairs a step (a few steps where the compare
+    kernel takes num_pairs / BLOCK_I): a pair's rank is the count of its expert among the pairs of earlier
+    programs, plus the earlier pairs of its expert within its own program's BLOCK_I."""
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    pid = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    first = pid * BLOCK_I
+    i = first + tl.arange(0, BLOCK_I)
+    i_mask = i < num_pairs
+    expert_i = tl.load(expert_ptr + i, mask=i_mask, other=0)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert in the programs before this one
+    for j0 in range(0, num_pairs, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        expert_j = tl.load(expert_ptr + j, mask=j < num_pairs, other=0)
+        counts += _expert_histogram(expert_j, j < num_pairs, experts, BLOCK_E)
+        if j0 < first:
+            before += _expert_histogram(expert_j, j < first, experts, BLOCK_E)
+    earlier_here = (expert_i[:, None] == expert_i[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.gather(before, expert_i, 0) + tl.sum(earlier_here.to(tl.int32), axis=1)
+    _place_pairs(counts, rank, expert_i, i, i_mask, experts, position_ptr, slot_token_ptr, block_expert_ptr,
+                 num_experts, num_blocks, pid == 0, TOP_K, BLOCK_M, BLOCK_E)
 
 
 @triton.jit
@@ -202,19 +255,29 @@ def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | No
     return down
 
 
-def align_blocks(top_k_index: torch.Tensor, num_experts: int):
-    """(position [T*K], slot_token [slots] with -1 padding, block_expert [blocks] with -1 idle)."""
+def align_blocks(top_k_index: torch.Tensor, num_experts: int, method: str | None = None):
+    """(position [T*K], slot_token [slots] with -1 padding, block_expert [blocks] with -1 idle).
+    method: ALIGN_METHODS' "compare" or "histogram" (None: ALIGN_METHOD); both give the same three tensors."""
+    method = method or ALIGN_METHOD
+    if method not in ALIGN_METHODS:
+        raise ValueError(f"align_blocks: method {method!r} is not one of {ALIGN_METHODS}")
     num_pairs = top_k_index.numel()
     num_blocks = triton.cdiv(num_pairs, BLOCK_M) + num_experts  # each expert adds at most one partial block
     experts = top_k_index.reshape(-1).contiguous()
     position = torch.empty(num_pairs, dtype=torch.long, device=experts.device)
     slot_token = torch.full((num_blocks * BLOCK_M,), -1, dtype=torch.long, device=experts.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=experts.device)
-    block_i = min(ALIGN_BLOCK_I, max(16, triton.next_power_of_2(num_pairs)))
-    _align_blocks_kernel[(triton.cdiv(num_pairs, block_i),)](
-        experts, position, slot_token, block_expert, num_pairs, num_experts, num_blocks,
-        TOP_K=top_k_index.shape[-1], BLOCK_M=BLOCK_M, BLOCK_I=block_i, BLOCK_E=triton.next_power_of_2(num_experts),
-        **pdl(top_k_index.device))
+    common = dict(TOP_K=top_k_index.shape[-1], BLOCK_M=BLOCK_M, BLOCK_E=triton.next_power_of_2(num_experts),
+                  **pdl(top_k_index.device))
+    args = (experts, position, slot_token, block_expert, num_pairs, num_experts, num_blocks)
+    if method == "histogram":
+        block_i = min(HISTOGRAM_BLOCK_I, max(16, triton.next_power_of_2(num_pairs)))
+        block_j = min(HISTOGRAM_BLOCK_J, max(16, triton.next_power_of_2(num_pairs)))
+        _align_blocks_histogram_kernel[(triton.cdiv(num_pairs, block_i),)](*args, BLOCK_I=block_i, BLOCK_J=block_j,
+                                                                           **common)
+    else:
+        block_i = min(ALIGN_BLOCK_I, max(16, triton.next_power_of_2(num_pairs)))
+        _align_blocks_kernel[(triton.cdiv(num_pairs, block_i),)](*args, BLOCK_I=block_i, **common)
     return position, slot_token, block_expert
 
 

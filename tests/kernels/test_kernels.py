@@ -116,15 +116,19 @@ def test_moe_combine_in_pair_order():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (2, 8, 128), (5, 2, 8), (40, 8, 128), (9, 4, 60)])
-def test_align_blocks_groups_pairs_in_blocks_of_one_expert(tokens, top_k, experts):
+@pytest.mark.parametrize("tokens, top_k, experts, method", [
+    *[(*case, method) for case in [(1, 8, 128), (2, 8, 128), (5, 2, 8), (40, 8, 128), (9, 4, 60)]
+      for method in ("compare", "histogram")],
+    (300, 8, 64, "histogram"),  # 2,400 pairs: several BLOCK_J steps, several programs before the last
+])
+def test_align_blocks_groups_pairs_in_blocks_of_one_expert(tokens, top_k, experts, method):
     """Every pair in its expert's blocks, in pair order within the expert; padding and idle blocks marked -1."""
     from moegraph.kernels.fused_moe import BLOCK_M, align_blocks
 
     gen = torch.Generator().manual_seed(tokens + experts)
     index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
     index[0] = index[-1]  # repeated expert sets: several pairs share experts
-    position, slot_token, block_expert = (t.cpu() for t in align_blocks(index.to(DEVICE), experts))
+    position, slot_token, block_expert = (t.cpu() for t in align_blocks(index.to(DEVICE), experts, method))
     flat = index.reshape(-1)
     assert position.unique().numel() == flat.numel()
     assert torch.equal(slot_token[position], torch.arange(flat.numel()) // top_k)
@@ -136,6 +140,19 @@ def test_align_blocks_groups_pairs_in_blocks_of_one_expert(tokens, top_k, expert
     for e in flat.unique().tolist():  # stable: pairs of one expert keep their order
         slots = position[flat == e]
         assert torch.equal(slots, slots.sort().values)
+
+
+def test_align_blocks_methods_agree():
+    """The histogram grouping gives the compare grouping's tensors exactly (1,040 pairs: two BLOCK_J steps)."""
+    from moegraph.kernels import fused_moe
+
+    index = torch.rand(130, 128, generator=torch.Generator().manual_seed(3)).topk(8, dim=-1).indices.to(DEVICE)
+    compare = fused_moe.align_blocks(index, 128, "compare")
+    histogram = fused_moe.align_blocks(index, 128, "histogram")
+    for a, b in zip(compare, histogram):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not one of"):
+        fused_moe.align_blocks(index, 128, "sort")
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
