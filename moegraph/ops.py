@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from .errors import InvalidArgumentError
-from .kernels import (decode_attention, gemv, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk, silu_mul,
-                      triton_available, triton_dtype_problem)
+from .kernels import (advance, decode_attention, gemv, moe_align, moe_combine, qk_norm_rope, rms_norm, router_topk,
+                      silu_mul, triton_available, triton_dtype_problem)
 from .moe.select import COMPILED_REASON, expert_function, describe_moe_backend, normalize_device
 
 DENSE = "dense"  # expert or projection weights as plain tensors in the compute dtype
@@ -57,6 +57,7 @@ class OpTable:
     moe_align: Callable
     silu_mul: Callable
     moe_combine: Callable
+    advance: Callable  # the loop's bookkeeping between two steps (kernels/advance.py)
     experts: Callable  # (hidden [T, H], top_k_index [T, K], top_k_weights [T, K], experts, ops) -> [T, H]
     linear: Callable  # (module, x) -> module(x) for a projection
     qkv: Callable  # (attention module, x) -> (q_proj(x), k_proj(x), v_proj(x))
@@ -76,12 +77,12 @@ class OpTable:
 _FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm, qk_norm_rope=qk_norm_rope.qk_norm_rope,
               decode_attention=decode_attention.decode_attention,
               router_topk=router_topk.router_topk, moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
-              moe_combine=moe_combine.moe_combine)
+              moe_combine=moe_combine.moe_combine, advance=advance.advance)
 _REFERENCE = dict(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
                   qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, decode_attention=decode_attention.decode_attention_ref,
                   router_topk=router_topk.router_topk_ref,
                   moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
-                  moe_combine=moe_combine.moe_combine_ref)
+                  moe_combine=moe_combine.moe_combine_ref, advance=advance.advance_ref)
 
 
 def _dense_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

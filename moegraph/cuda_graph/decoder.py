@@ -513,24 +513,21 @@ class GraphDecoder:
         check_every = 1 if call.streamer is not None else self.options.check_every
         sample = (self._chunk_sampler(call, input_ids, part, logits, rows, use_graphs)
                   if call.plan is not None else None)
+        pad = int(call.pad) if call.eos is not None else 0
+        next_inputs = (self.inputs.token_ids[:rows], self.inputs.positions[:rows], self.inputs.rope_positions[:rows])
         step = 0
         for step in range(max_new):
             issued = time.perf_counter()
             next_tokens = self._select(call, tokens[:, :prompt_len + step], logits, sample)
-            if call.eos is not None:
-                next_tokens = torch.where(unfinished, next_tokens, call.pad)
-                unfinished &= ~torch.isin(next_tokens, call.eos)
-                alive[step] = unfinished.any()
-            tokens[:, prompt_len + step] = next_tokens
             last = step + 1 == max_new
+            # EOS (finished rows padded), the output column, the next step's inputs: one launch on CUDA
+            self.ops.advance(next_tokens, tokens, prompt_len + step, unfinished, call.eos, pad, alive, step,
+                             lengths, rope_start, None if last else next_inputs)
             if not last:
-                self.inputs.token_ids[:rows].copy_(next_tokens)
-                torch.add(lengths, step, out=self.inputs.positions[:rows])
-                torch.add(rope_start, step, out=self.inputs.rope_positions[:rows])
                 logits = self._step(rows, use_graphs)
             stats.host_seconds += time.perf_counter() - issued
             if call.streamer is not None:
-                call.streamer.put(next_tokens.cpu())
+                call.streamer.put(tokens[:, prompt_len + step].cpu())
             if last or (call.eos is not None and (step + 1) % check_every == 0 and not bool(alive[step])):
                 break
         produced = step + 1
