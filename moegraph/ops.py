@@ -227,6 +227,27 @@ def _nf4_gemv_qkv(attn: nn.Module, x: torch.Tensor):
     return tuple(out.to(x.dtype) for out in outs)
 
 
+def _nf4_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor | None,
+                           attn: nn.Module):
+    """add + RMSNorm + the q/k/v Linear4bit projections in one NF4 GEMV launch (nf4_gemv's
+    nf4_add_rms_norm_linear_group) where _nf4_gemv_qkv would take them in one launch, the projections compute
+    in the rows' dtype and the norm weight is of it, up to gemv.NORM_MAX_ROWS rows; otherwise `unfused`."""
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    states = [_gemv_state(m, residual) for m in modules]
+    with_bias = {m.bias is not None for m in modules}
+    if (residual.shape[0] > gemv.NORM_MAX_ROWS or any(s is None for s in states) or len(with_bias) != 1
+            or {_compute_dtype(m, residual) for m in modules} != {residual.dtype}
+            or norm.weight.dtype != residual.dtype or len({s.nested for s in states}) != 1):
+        return unfused(norm, residual, x, attn)
+    from .kernels.nf4_gemv import NF4Tensors, nf4_add_rms_norm_linear_group
+
+    weights = [NF4Tensors.from_bnb(m.weight.data, s) for m, s in zip(modules, states)]
+    biases = [m.bias for m in modules] if with_bias.pop() else None
+    summed, outs = nf4_add_rms_norm_linear_group(residual, x, norm.weight, norm.variance_epsilon, weights,
+                                                 states[0].code, biases=biases)
+    return summed, tuple(outs)
+
+
 def _choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
                     kernels: str) -> tuple[dict, str, str]:
     if kernels not in KERNEL_CHOICES:
@@ -278,9 +299,10 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     router_logits = _router_logits_gemv if kernel_name == "triton" else _router_logits_linear
     add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
     add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"], router_logits)
-    fuse_qkv, fuse_router = fuse_norms and qkv is _dense_gemv_qkv, fuse_norms and kernel_name == "triton"
+    fused_qkv = {_dense_gemv_qkv: _dense_gemv_add_norm_qkv, _nf4_gemv_qkv: _nf4_gemv_add_norm_qkv}.get(qkv)
+    fuse_qkv, fuse_router = fuse_norms and fused_qkv is not None, fuse_norms and kernel_name == "triton"
     if fuse_qkv:
-        add_norm_qkv = functools.partial(_dense_gemv_add_norm_qkv, add_norm_qkv)
+        add_norm_qkv = functools.partial(fused_qkv, add_norm_qkv)
     if fuse_router:
         add_norm_router = functools.partial(_gemv_add_norm_router, add_norm_router)
     fused_norms = (("; the norm before attention inside the q/k/v GEMV" if fuse_qkv else "")

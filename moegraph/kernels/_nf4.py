@@ -29,6 +29,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..quant.nf4 import BLOCKSIZE, COMPUTE_DTYPES, NESTED_BLOCKSIZE, NF4_CODE  # the format: one place
 from ._triton import HAVE_TRITON, tl, triton
+from .gemv import normed_input
 
 if HAVE_TRITON:
     from triton.language.extra import libdevice
@@ -264,9 +265,12 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
-                TWO: tl.constexpr):
+                TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
+                HAS_ADD: tl.constexpr = False):
     """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32 (and the same for rows2 when TWO,
     sharing the x loads: gate and up); x [*, K = 2 row_bytes] row-major. Returns (acc, acc2), acc2 = acc if not TWO.
+    NORM: x is the RMSNorm of (residual at res_ptr +) x, weight nw_ptr, normalized here slice by slice (gemv.py's
+    normed_input) with inv_rms, the rows' 1 / RMS (a scalar for the one row, else [BLOCK_M]).
 
     USE_DOT: [BLOCK_N, BLOCK_M], tensor cores with the weight tile as the left operand (the wide side; x pads to
     BLOCK_M >= 16 rows, x_rows [BLOCK_M] with x_mask). Otherwise [BLOCK_N] for the one row x_rows (a scalar):
@@ -308,12 +312,24 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         if USE_DOT:
             k = 2 * kb + tl.arange(0, BLOCK_K)
             x = tl.load(x_base + k[None, :], mask=x_mask[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            if NORM:
+                x = normed_input(x, res_ptr, nw_ptr, inv_rms[:, None], x_rows.to(tl.int64)[:, None] * K + k[None, :],
+                                 x_mask[:, None] & (k < K)[None, :], k, k < K, NORM, HAS_ADD)
             x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
         else:
             # 1-D strided x loads (L1 hits): a 2-D x tile would pull the weight tile into its layout
             k_even = 2 * (kb + tl.arange(0, HALF))
-            x_even = tl.load(x_base + k_even, mask=k_even < K, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_base + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)
+            k_mask = k_even < K
+            x_even = tl.load(x_base + k_even, mask=k_mask, other=0.0)
+            x_odd = tl.load(x_base + k_even + 1, mask=k_mask, other=0.0)
+            if NORM:
+                row = x_rows.to(tl.int64) * K
+                x_even = normed_input(x_even, res_ptr, nw_ptr, inv_rms, row + k_even, k_mask, k_even, k_mask, NORM,
+                                      HAS_ADD)
+                x_odd = normed_input(x_odd, res_ptr, nw_ptr, inv_rms, row + k_even + 1, k_mask, k_even + 1, k_mask,
+                                     NORM, HAS_ADD)
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
         acc = _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, USE_DOT,
                               DOT_FP32, ALIGNED, LOOKUP, STEP_SUM)
         packed, absmax = next_packed, next_absmax

@@ -53,19 +53,27 @@ def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
 def _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM: tl.constexpr,
                  HAS_ADD: tl.constexpr):
     """The GEMV's input rows at columns ks: x itself, or the RMSNorm of (residual + x) rounded as rms_norm rounds."""
+    return normed_input(x, res_ptr, nw_ptr, inv_rms[:, None], rows[:, None] * K + ks[None, :],
+                        row_mask[:, None] & k_mask[None, :], ks, k_mask, NORM, HAS_ADD)
+
+
+@triton.jit
+def normed_input(x, res_ptr, nw_ptr, inv_rms, offs, mask, ks, k_mask, NORM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """x (elements at `offs` of the rows, columns `ks`), or with NORM the RMSNorm of (residual + x) there, rounded
+    as rms_norm rounds: the sum to x's dtype (the residual stream keeps it), x * inv_rms, then times the weight.
+    inv_rms broadcasts against x (one value per row); the NF4 GEMV (_nf4.py) normalizes its x slices here too."""
     if NORM:
         if HAS_ADD:
-            res = tl.load(res_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                          other=0.0)
+            res = tl.load(res_ptr + offs, mask=mask, other=0.0)
             x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-        normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
         nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0)
-        x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+        x = (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     return x
 
 
 @triton.jit
-def _row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD: tl.constexpr,
+def row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD: tl.constexpr,
                  BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """1 / RMS of each row of (residual + x) [ROWS]; with WRITE_SUM (program 0) residual + x is stored too."""
     sq = tl.zeros([ROWS], dtype=tl.float32)
@@ -99,7 +107,7 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum
     pdl_wait(USE_PDL)
     inv_rms = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
-        inv_rms = _row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
+        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K

@@ -11,6 +11,9 @@ in that dtype does (_nf4.py says why). Layout and helpers: _nf4.py.
 Small N gives few programs, so K is split over SPLIT_K programs (SPLIT_K chosen from the shapes only) whose
 float32 partials a second launch sums in a fixed order: no atomics, so a replayed CUDA graph is
 bit-identical to the eager call.
+nf4_linear_group runs up to three weights of one K (q, k, v) in one launch; nf4_add_rms_norm_linear_group puts
+the decoder layer's add + RMSNorm in front of it (every program normalizes the row slices it reads, as gemv.py's
+add_rms_norm_gemv_group does for dense weights).
 Capture-safe: grid and partial buffer sized from the shapes, no host sync.
 """
 
@@ -23,9 +26,10 @@ from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
                    nf4_code)
 from ._triton import pdl, pdl_wait, tl, triton
+from .gemv import row_inv_rms
 
-__all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_code", "nf4_linear",
-           "nf4_linear_group", "nf4_linear_ref"]
+__all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_add_rms_norm_linear_group",
+           "nf4_code", "nf4_linear", "nf4_linear_group", "nf4_linear_ref"]
 
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, K=2048 -> N=4096:
 DOT_BLOCK_N = 64  # rows per program, tensor cores: 16 rows a warp; 11.9 us at M = 8 (32 rows: 12.8)
@@ -111,15 +115,19 @@ def _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT: tl
 
 @triton.jit
 def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, nc1, na1, o1, out1, b1, N1, w2, a2,
-                             nc2, na2, o2, out2, b2, N2, tiles0, tiles01, code_ptr, M, row_bytes, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                             DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
-                             EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr,
+                             nc2, na2, o2, out2, b2, N2, tiles0, tiles01, code_ptr, M, row_bytes, res_ptr, nw_ptr,
+                             sum_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
+                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             LOOKUP: tl.constexpr, NORM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                              USE_PDL: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
-    HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it."""
+    HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it.
+    NORM: x is (residual at res_ptr +) the rows before the decoder layer's RMSNorm (weight nw_ptr), normalized
+    by every program (a few KB from L2); the programs of tile 0 write the sum to sum_ptr (HAS_ADD)."""
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    first = tl.program_id(0) == 0
     tile = tl.program_id(0)
     if tile < tiles0:
         w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, out_ptr, bias_ptr, N = (
@@ -139,9 +147,17 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     else:
         m = tl.program_id(1)
     m_mask = m < M
+    inv_rms = 0.0
+    if NORM:
+        x_rows = m if USE_DOT else m + tl.arange(0, 1)
+        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, x_rows, x_rows < M, 2 * row_bytes, eps, first, HAS_ADD,
+                              BLOCK_K, BLOCK_M)
+        if not USE_DOT:
+            inv_rms = tl.sum(inv_rms, axis=0)  # the one row's
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
-                         BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False)
+                         BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
+                         res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 
@@ -243,7 +259,33 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     """[x @ W_i^T (+ b_i) for each W_i] in one launch, for up to MAX_GROUP NF4 weights (N_i, K) of one K, all
     plain or all nested; biases: one [N_i] per weight (q/k/v biases, e.g. Qwen2-MoE), or None. Each equals
     nf4_linear(x, W_i, b_i) computed without a split of K."""
-    op = "nf4_linear_group"
+    return _launch_group("nf4_linear_group", x, weights, code, config, biases, None)
+
+
+def nf4_add_rms_norm_linear_group(residual: torch.Tensor, x: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                                  eps: float, weights: Sequence[NF4Tensors], code: torch.Tensor,
+                                  config: Optional[NF4LinearConfig] = None,
+                                  biases: Optional[Sequence[torch.Tensor]] = None):
+    """(residual + x, nf4_linear_group(RMSNorm(residual + x), ...)) in one launch: the decoder layer's add and
+    norm before attention run inside the q/k/v GEMV (gemv.add_rms_norm_gemv_group's NF4 twin, the same
+    roundings as kernels/rms_norm.py's add_rms_norm). x None: no add (residual comes back as it is). The norm
+    weight is of the rows' dtype, which is the GEMV's compute dtype."""
+    op = "nf4_add_rms_norm_linear_group"
+    if norm_weight.shape != (residual.shape[-1],) or norm_weight.dtype != residual.dtype:
+        raise InvalidArgumentError(f"{op}: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not take "
+                                   f"rows {tuple(residual.shape)} {residual.dtype}")
+    residual = residual.contiguous()
+    if x is None:
+        return residual, _launch_group(op, residual, weights, code, config, biases, (None, norm_weight, eps, residual))
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise InvalidArgumentError(f"{op}: x {tuple(x.shape)} {x.dtype} != residual {tuple(residual.shape)} "
+                                   f"{residual.dtype}")
+    summed = torch.empty_like(residual)
+    return summed, _launch_group(op, x, weights, code, config, biases, (residual, norm_weight, eps, summed))
+
+
+def _check_group(op: str, x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch.Tensor,
+                 biases: Optional[Sequence[torch.Tensor]]):
     check_compute_dtype(op, x)
     if not 1 <= len(weights) <= MAX_GROUP:
         raise InvalidArgumentError(f"{op}: takes 1 to {MAX_GROUP} weights, got {len(weights)}")
@@ -257,8 +299,14 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
             raise InvalidArgumentError(f"{op}: biases must give one tensor per weight ({len(views)}), or be None")
         for v, b in zip(views, biases):
             _check_bias(op, b, v.rows, x.device)
+    return views
+
+
+def _launch_group(op, x, weights, code, config, biases, norm):
+    """norm: None, or (residual or None, norm weight, eps, summed output): x is normalized in the kernel."""
+    views = _check_group(op, x, weights, code, biases)
     cfg = config or NF4LinearConfig()
-    rows_m = x.shape[0]
+    rows_m, K = x.shape
     use_dot = _uses_dot(rows_m, cfg)
     block_n, block_k = _tile(cfg, use_dot, sum(v.rows for v in views), op)
     block_m = DOT_BLOCK_M if use_dot else 1
@@ -270,12 +318,14 @@ def nf4_linear_group(x: torch.Tensor, weights: Sequence[NF4Tensors], code: torch
     padded += [padded[0]] * (MAX_GROUP - len(views))  # never reached: no tiles
     args = [a for v, out, b in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out, b,
                                                  v.rows)]
+    residual, norm_weight, eps, summed = norm if norm is not None else (None, x, 0.0, x)  # x: never read
     launch = dict(_launch_options(cfg, use_dot, block_n), **pdl(x.device))
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
-        x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_DOT=use_dot, DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
-        ALIGNED=views[0].aligned, NESTED=views[0].nested,
-        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup, **launch)
+        x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, residual if residual is not None else x,
+        norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
+        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup,
+        NORM=norm is not None, HAS_ADD=residual is not None, **launch)
     return outs
 
 

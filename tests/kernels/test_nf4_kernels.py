@@ -14,7 +14,9 @@ import torch
 from moegraph.errors import InvalidArgumentError
 from moegraph.kernels import triton_available
 from moegraph.kernels.moe_combine import moe_combine
-from moegraph.kernels.nf4_gemv import NF4LinearConfig, nf4_linear, nf4_linear_group, nf4_linear_ref
+from moegraph.kernels.nf4_gemv import (NF4LinearConfig, nf4_add_rms_norm_linear_group, nf4_linear, nf4_linear_group,
+                                       nf4_linear_ref)
+from moegraph.kernels.rms_norm import add_rms_norm, rms_norm
 from moegraph.kernels.nf4_moe import (NF4_CODE, NF4MoEConfig, NF4Tensors, dequantize_nf4_ref, fused_moe_experts_nf4,
                                       fused_moe_experts_nf4_ref, nf4_code)
 
@@ -133,6 +135,35 @@ def test_nf4_linear_group_equals_one_launch_per_weight(use_dot, nested, bias):
             nf4_linear_group(x, weights, code, config, biases=biases[:2])
         with pytest.raises(InvalidArgumentError, match="bias must be"):
             nf4_linear_group(x, weights, code, config, biases=[biases[1], biases[1], biases[2]])
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_in_front_of_the_nf4_group(use_dot, nested, add):
+    """The norm before attention inside the NF4 q/k/v GEMV: the summed residual exactly, and each projection the
+    norm kernel followed by the group (bit for bit where the sums run in the same order: the interpreter)."""
+    k, dtype = 128, torch.float16
+    rows = 3 if use_dot else 1
+    weights = [_random_nf4(None, n, k, nested, seed=60 + n) for n in (32, 16, 48)]
+    residual = torch.randn(rows, k, generator=_gen(61)).to(DEVICE, dtype)
+    x = torch.randn(rows, k, generator=_gen(62)).to(DEVICE, dtype) if add else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=_gen(63))).to(DEVICE, dtype)
+    code = nf4_code(DEVICE)
+    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64)
+    summed, outs = nf4_add_rms_norm_linear_group(residual, x, norm_weight, 1e-6, weights, code, config)
+    if add:
+        want_summed, hidden = add_rms_norm(residual, x, norm_weight, 1e-6)
+        assert torch.equal(summed, want_summed)
+    else:
+        hidden = rms_norm(residual, norm_weight, 1e-6)
+        assert summed is residual
+    for got, want in zip(outs, nf4_linear_group(hidden, weights, code, config)):
+        if DEVICE == "cpu":
+            assert torch.equal(got, want)
+        assert _rel(got, want) < REL_TOL[dtype]
+    with pytest.raises(InvalidArgumentError, match="norm weight"):
+        nf4_add_rms_norm_linear_group(residual, x, norm_weight.float(), 1e-6, weights, code, config)
 
 
 @pytest.mark.parametrize("use_dot", [False, True])

@@ -96,3 +96,31 @@ def test_linear4bit_repacked_for_the_cpu_goes_through_its_own_forward():
         torch.testing.assert_close(got, before, atol=0.05, rtol=0.05)  # absmax in bf16: close, not equal
     with pytest.raises(InvalidArgumentError, match="CPU-only packed layout"):
         NF4Tensors.from_bnb(attn.q_proj.weight.data, attn.q_proj.weight.quant_state)
+
+
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_nf4_norm_before_attention_runs_inside_the_qkv_gemv(monkeypatch, fuse_norms):
+    """With Linear4bit projections, as with dense ones: the add + RMSNorm before attention inside the NF4 q/k/v
+    GEMV, one launch per layer and decode step (fuse_norms=False: apart); the unpatched model's tokens either way."""
+    from moegraph import ops
+    from moegraph.cuda_graph import decoder
+    from moegraph.kernels import nf4_gemv, triton_available
+
+    if not triton_available(torch.empty(0)):
+        pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    model = build_model("tiny", seed=5, quant="nf4", num_layers=2)
+    monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
+        m, backend, kernels="triton", fuse_norms=fuse_norms))
+    launches = []
+    fused = nf4_gemv.nf4_add_rms_norm_linear_group
+    monkeypatch.setattr(nf4_gemv, "nf4_add_rms_norm_linear_group", lambda *a, **k: launches.append(1) or fused(*a, **k))
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=24)
+    want = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    moegraph.patch(model, max_batch_size=8)
+    try:
+        got = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        stats = moegraph.decode_stats(model)
+    finally:
+        moegraph.unpatch(model)
+    assert stats.fallback_reason is None and torch.equal(got, want)
+    assert len(launches) == (2 if fuse_norms else 0) * (stats.steps - 1)  # layers x decode steps (not prefill's)
