@@ -47,6 +47,11 @@ LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at 
     "fma bn32 bk1024 w8": L(use_dot=False, block_n=32, block_k=1024, num_warps=8),
     "fma bn16 bk1024 w4 split1": L(use_dot=False, block_n=16, block_k=1024, num_warps=4, split_k=1),
     "fma bn8 bk2048 w4 split1": L(use_dot=False, block_n=8, block_k=2048, num_warps=4, split_k=1),
+    # fewer shared-memory barriers a step (tools/sass_report.py): both nibbles in one gather, x read as pairs
+    "auto lookup3 pairs": L(lookup=3, x_pairs=True),
+    "fma bn8 bk2048 w4 lookup3 pairs": L(use_dot=False, block_n=8, block_k=2048, num_warps=4, lookup=3, x_pairs=True),
+    "fma bn4 bk2048 w2 lookup3 pairs": L(use_dot=False, block_n=4, block_k=2048, num_warps=2, lookup=3, x_pairs=True),
+    "fma bn2 bk2048 w1 lookup3 pairs": L(use_dot=False, block_n=2, block_k=2048, num_warps=1, lookup=3, x_pairs=True),
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
@@ -60,6 +65,18 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma 8/8 bk1024 w2": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=1024, num_warps=2),
     "fma 16/16 bk1024 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=16, block_k=1024, num_warps=4),
     "fma 8/16 bk2048 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=2048, num_warps=4),
+    "fma lookup3": C(use_dot=False, lookup=3),
+    "fma pairs": C(use_dot=False, x_pairs=True),
+    "fma lookup3 pairs": C(use_dot=False, lookup=3, x_pairs=True),
+    "fma 8/16 bk512 w4 lookup3 pairs": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=4,
+                                         lookup=3, x_pairs=True),
+    # thin tiles, the whole row in one step, as the dense pair GEMV (kernels/fused_moe.py: 2 x 2048, 2 warps)
+    "fma 4/4 bk2048 w2 lookup3 pairs": C(use_dot=False, gate_up_block_n=4, down_block_n=4, block_k=2048, num_warps=2,
+                                         lookup=3, x_pairs=True),
+    "fma 2/2 bk2048 w1 lookup3 pairs": C(use_dot=False, gate_up_block_n=2, down_block_n=2, block_k=2048, num_warps=1,
+                                         lookup=3, x_pairs=True),
+    "fma 4/4 bk1024 w2 pairs": C(use_dot=False, gate_up_block_n=4, down_block_n=4, block_k=1024, num_warps=2,
+                                 x_pairs=True),
 }
 
 

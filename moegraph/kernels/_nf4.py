@@ -205,6 +205,9 @@ def _nf4_codes(packed, code_ptr, table, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
                                [BLOCK_N, HALF])
         code_odd = tl.reshape(tl.gather(table, tl.reshape((packed & 0xF).to(tl.int32), [BLOCK_N * HALF]), 0),
                               [BLOCK_N, HALF])
+    elif LOOKUP == 3:  # as 1, both nibbles in one gather: one shared-memory round trip (two barriers) a step
+        both = tl.reshape(tl.join((packed >> 4).to(tl.int32), (packed & 0xF).to(tl.int32)), [BLOCK_N * HALF * 2])
+        code_even, code_odd = tl.split(tl.reshape(tl.gather(table, both, 0), [BLOCK_N, HALF, 2]))
     else:  # 256 (even, odd) pairs in shared memory, indexed by the whole byte: one 8-byte load per byte
         pair = tl.reshape(tl.gather(table, tl.reshape(packed.to(tl.int32), [BLOCK_N * HALF]), 0), [BLOCK_N, HALF])
         code_even = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
@@ -224,7 +227,8 @@ def _nf4_decode(packed, absmax, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
-    """The lookup table of LOOKUP 1 (code [16] fp32) or 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15] low)."""
+    """The lookup table of LOOKUP 1 and 3 (code [16] fp32) or 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15]
+    low)."""
     if LOOKUP == 2:
         b = tl.arange(0, 256)
         high = tl.load(code_ptr + (b >> 4)).to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -242,8 +246,8 @@ def _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE: 
     if not USE_DOT:
         # the NF4 values in float32, never rounded: sum code * x over the tile, then scale by each absmax once
         codes_even, codes_odd = _nf4_codes(packed, code_ptr, table, BLOCK_N, BLOCK_K, LOOKUP)
-        partial = codes_even * x_even[None, :]
-        partial += codes_odd * x_odd[None, :]
+        partial = codes_even * x_even  # x [1, HALF], or [BLOCK_N, HALF] loaded in the tile's layout
+        partial += codes_odd * x_odd
         partial = partial * _broadcast_absmax(absmax, BLOCK_N, BLOCK_K, ALIGNED)
         if STEP_SUM:
             partial = tl.sum(partial, axis=1)
@@ -266,7 +270,7 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
-                HAS_ADD: tl.constexpr = False):
+                HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False):
     """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32 (and the same for rows2 when TWO,
     sharing the x loads: gate and up); x [*, K = 2 row_bytes] row-major. Returns (acc, acc2), acc2 = acc if not TWO.
     NORM: x is the RMSNorm of (residual at res_ptr +) x, weight nw_ptr, normalized here slice by slice (gemv.py's
@@ -277,6 +281,9 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
     a multiply-add per weight into a [BLOCK_N, BLOCK_K // 2] accumulator, summed once after the loop.
     The next step's bytes are loaded before this step's are decoded: 4-bit weights are cheap to hold in
     registers, and the loads in flight are what a bandwidth-bound loop needs.
+    X_PAIRS (multiply-add path, 16-bit x, no NORM): x is read as 32-bit (even, odd) pairs straight into the weight
+    tile's layout (L1 hits, one per byte of the tile) instead of two strided 1-D loads that a shared-memory layout
+    conversion (and its barriers) then broadcasts over the rows.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     # wide steps (few steps, many loads in flight) sum each step: a [BLOCK_N, HALF] accumulator would not fit
@@ -293,6 +300,9 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         else:
             acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         x_base = x_ptr + x_rows.to(tl.int64) * K
+    PAIRS: tl.constexpr = X_PAIRS and not USE_DOT and not NORM and x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    if PAIRS:
+        x_pairs = x_base.to(tl.pointer_type(tl.int32))  # K is even: x[2j], x[2j + 1] in word j
     acc2 = acc
     packed, absmax = _nf4_load(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
                                kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, ALIGNED, NESTED, EXACT_MUL)
@@ -316,6 +326,11 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 x = normed_input(x, res_ptr, nw_ptr, inv_rms[:, None], x_rows.to(tl.int64)[:, None] * K + k[None, :],
                                  x_mask[:, None] & (k < K)[None, :], k, k < K, NORM, HAS_ADD)
             x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
+        elif PAIRS:
+            byte = kb + tl.arange(0, HALF)
+            pairs = tl.load(x_pairs + (byte[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)),
+                            mask=(byte < kb_end)[None, :], other=0)
+            x_even, x_odd = _unpack_pairs(pairs, x_ptr.dtype.element_ty)
         else:
             # 1-D strided x loads (L1 hits): a 2-D x tile would pull the weight tile into its layout
             k_even = 2 * (kb + tl.arange(0, HALF))
@@ -328,8 +343,8 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                                       HAS_ADD)
                 x_odd = normed_input(x_odd, res_ptr, nw_ptr, inv_rms, row + k_even + 1, k_mask, k_even + 1, k_mask,
                                      NORM, HAS_ADD)
-            x_even = x_even.to(tl.float32)
-            x_odd = x_odd.to(tl.float32)
+            x_even = x_even.to(tl.float32)[None, :]
+            x_odd = x_odd.to(tl.float32)[None, :]
         acc = _nf4_accumulate(acc, packed, absmax, x_even, x_odd, code_ptr, table, DTYPE, BLOCK_N, BLOCK_K, USE_DOT,
                               DOT_FP32, ALIGNED, LOOKUP, STEP_SUM)
         packed, absmax = next_packed, next_absmax
@@ -341,6 +356,18 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         acc = tl.sum(acc, axis=1)
         acc2 = tl.sum(acc2, axis=1)
     return acc, acc2
+
+
+@triton.jit
+def _unpack_pairs(pairs, DTYPE: tl.constexpr):
+    """float32 (even, odd) of int32 words that each hold two 16-bit values of DTYPE, the even one in the low half."""
+    if DTYPE == tl.bfloat16:  # a bf16 is the high half of the float32 of the same value
+        x_even = (pairs << 16).to(tl.float32, bitcast=True)
+        x_odd = (pairs & -65536).to(tl.float32, bitcast=True)
+    else:
+        x_even = (pairs & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_odd = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return x_even, x_odd
 
 
 def dequantize_nf4_ref(t: NF4Tensors, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -46,6 +46,7 @@ DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
 TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower at every shape measured
 LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4x slower, 256 pairs (2) 1.1-1.3x
+X_PAIRS = False  # not yet timed: see nf4_moe.py's X_PAIRS
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 
@@ -60,6 +61,7 @@ class NF4LinearConfig:
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
     lookup: int = LOOKUP
+    x_pairs: bool = X_PAIRS  # multiply-add path, 16-bit x: read x as pairs in the weight tile's layout (_nf4.py)
 
 
 @triton.jit
@@ -67,7 +69,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                        out_ptr, M, N, row_bytes, bytes_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                        NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       LOOKUP: tl.constexpr, USE_PDL: tl.constexpr = False):
+                       LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
     row_mask = rows < N
@@ -82,7 +84,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                         False)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+                         False, X_PAIRS=X_PAIRS)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
     if SPLIT:
         offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
@@ -120,7 +122,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                              NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
                              LOOKUP: tl.constexpr, NORM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
-                             USE_PDL: tl.constexpr = False):
+                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
     HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it.
@@ -157,7 +159,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
-                         res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD)
+                         res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD, X_PAIRS)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 
@@ -200,8 +202,8 @@ def _tile(cfg: NF4LinearConfig, use_dot: bool, rows: int, op: str) -> tuple[int,
     else:
         wide = (16, 1024) if rows >= WIDE_ROWS else (8, 2048)
         block_n, block_k = cfg.block_n or wide[0], cfg.block_k or wide[1]
-    if block_k % 64 or block_n < (16 if use_dot else 8):
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (8 without tensor "
+    if block_k % 64 or block_n < (16 if use_dot else 2):
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
                                    f"cores), got {cfg}")
     return block_n, block_k
 
@@ -242,7 +244,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, LOOKUP=cfg.lookup,
-        **launch)
+        X_PAIRS=cfg.x_pairs, **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
@@ -325,7 +327,7 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup,
-        NORM=norm is not None, HAS_ADD=residual is not None, **launch)
+        NORM=norm is not None, HAS_ADD=residual is not None, X_PAIRS=cfg.x_pairs, **launch)
     return outs
 
 

@@ -41,6 +41,10 @@ BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in fligh
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
 LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
+# Not yet timed (no GPU since they were written), so off / unchanged: LOOKUP 3 (both nibbles in one gather) and
+# X_PAIRS (x read as pairs in the weight tile's layout) take the multiply-add loop from 12 shared-memory barriers
+# a step to 4 at the same instruction count (SASS of the sm_90 build, tools/sass_report.py)
+X_PAIRS = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class NF4MoEConfig:
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
     lookup: int = LOOKUP
+    x_pairs: bool = X_PAIRS  # multiply-add path, 16-bit x: read x as pairs in the weight tile's layout (_nf4.py)
 
 
 @triton.jit
@@ -91,7 +96,7 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                              NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
-                             USE_PDL: tl.constexpr = False):
+                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
@@ -108,7 +113,7 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
     gate, up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                            code_ptr, n, inter + n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
                            USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                           True)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]: both streams in one loop
+                           True, X_PAIRS=X_PAIRS)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]: both streams in one loop
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
@@ -121,7 +126,7 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
                      blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                      ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
@@ -137,7 +142,7 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
     dtype = out_ptr.dtype.element_ty
     y, _ = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                        code_ptr, n, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False)
+                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False, X_PAIRS=X_PAIRS)
     _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
@@ -154,7 +159,7 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=cfg.lookup, **launch)
+        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=cfg.lookup, X_PAIRS=cfg.x_pairs, **launch)
 
 
 def _uses_dot(tokens: int, cfg: NF4MoEConfig) -> bool:
@@ -183,8 +188,8 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
                                                                             else GATE_UP_BLOCK_N),
                               down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N))
-    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 8):
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (8 without tensor "
+    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2):
+        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
                                    f"cores), got {cfg}")
     experts = top_k_index.reshape(-1).contiguous()
     if use_dot:

@@ -188,9 +188,10 @@ def test_fused_moe_experts_nf4(use_dot, nested, dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("lookup", [0, 1, 2])
+@pytest.mark.parametrize("lookup", [0, 1, 2, 3])
 def test_every_code_lookup(lookup, use_dot):
-    """The three forms of the 16-entry code table (L1 gather, shared 16 values, shared 256 byte pairs) agree."""
+    """The forms of the 16-entry code table (L1 gather, shared 16 values gathered per nibble or for both at once,
+    shared 256 byte pairs) agree."""
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 48, 128, True, seed=40)
     x = torch.randn(3, 128, generator=_gen(41)).to(DEVICE, torch.float16)
@@ -204,6 +205,34 @@ def test_every_code_lookup(lookup, use_dot):
     config = NF4MoEConfig(use_dot=use_dot, lookup=lookup, **TILES)
     got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
     assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)) < 2e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_n", [2, 8])
+def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
+    """x_pairs (16-bit x read as 32-bit pairs in the weight tile's layout) changes how x reaches the products, not
+    the products or their order: the outputs equal the default loads' bit for bit, for the NF4 GEMV (plain and
+    with the norm in front, which keeps the 1-D loads) and the experts; float32 x ignores it. block_n 2: the thin
+    tiles of the dense pair GEMV (kernels/fused_moe.py) are allowed on the multiply-add path."""
+    code = nf4_code(DEVICE)
+    w = _random_nf4(None, 16, 192, False, seed=70)
+    x = torch.randn(1, 192, generator=_gen(71)).to(DEVICE, dtype)
+    runs = [nf4_linear(x, w.packed, w.absmax, code, 16, 192, config=NF4LinearConfig(
+        use_dot=False, block_n=block_n, block_k=128, x_pairs=pairs)) for pairs in (False, True)]
+    assert torch.equal(runs[0], runs[1])
+    assert _rel(runs[1], nf4_linear_ref(x, w.packed, w.absmax, code, 16, 192)) < REL_TOL[dtype]
+    norm_weight = torch.rand(192, generator=_gen(72)).to(DEVICE, dtype) + 0.5
+    normed = [nf4_add_rms_norm_linear_group(x, x, norm_weight, 1e-6, [w], code, NF4LinearConfig(
+        use_dot=False, block_n=block_n, block_k=128, x_pairs=pairs))[1][0] for pairs in (False, True)]
+    assert torch.equal(normed[0], normed[1])
+    gate_up, down = _random_nf4(4, 64, 64, False, seed=73), _random_nf4(4, 64, 32, False, seed=74)
+    x = torch.randn(3, 64, generator=_gen(75)).to(DEVICE, dtype)
+    index = torch.rand(3, 3, generator=_gen(76)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(3, 2, generator=_gen(77)).to(DEVICE, dtype)
+    runs = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
+        use_dot=False, gate_up_block_n=block_n, down_block_n=block_n, block_k=64, x_pairs=pairs))
+        for pairs in (False, True)]
+    assert torch.equal(runs[0], runs[1])
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bf16 rounding only")
