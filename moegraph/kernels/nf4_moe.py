@@ -81,6 +81,15 @@ def _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K: tl.constex
 
 
 @triton.jit
+def _expert_weights(expert, w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr, stride_we, blocks_per_expert,
+                    nested_per_expert):
+    """The pointers of one expert's NF4 bytes, absmax, nested absmax and offset within the stacks."""
+    e = expert.to(tl.int64)
+    return (w_ptr + e * stride_we, absmax_ptr + e * blocks_per_expert, nested_absmax_ptr + e * nested_per_expert,
+            offset_ptr + e)
+
+
+@triton.jit
 def _store_rows(ptr, tile, slots, valid, n, n_mask, stride, USE_DOT: tl.constexpr):
     """out[slots, n] = tile: [BLOCK_N, BLOCK_M] with USE_DOT, else [BLOCK_N] for the one slot."""
     if USE_DOT:
@@ -102,11 +111,8 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
         return
-    e = expert.to(tl.int64)
-    w_ptr += e * stride_we
-    absmax_ptr += e * blocks_per_expert
-    nested_absmax_ptr += e * nested_per_expert
-    offset_ptr += e
+    w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr = _expert_weights(
+        expert, w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr, stride_we, blocks_per_expert, nested_per_expert)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < inter
     dtype = act_ptr.dtype.element_ty
@@ -132,11 +138,8 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
         return
-    e = expert.to(tl.int64)
-    w_ptr += e * stride_we
-    absmax_ptr += e * blocks_per_expert
-    nested_absmax_ptr += e * nested_per_expert
-    offset_ptr += e
+    w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr = _expert_weights(
+        expert, w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr, stride_we, blocks_per_expert, nested_per_expert)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < hidden
     dtype = out_ptr.dtype.element_ty
