@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks a session owes what was written since the last one, in stages that each fit one device call
+# (10 minutes; a session has 30 of device time). Logs and JSON go to $OUT (the device tool brings them back).
+#
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh tests     # ~5 min: every GPU test
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh kernels   # ~8 min: the untimed A/B choices
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh bench     # ~9 min: the tables of BENCHMARKS.md
+#
+# A stage goes on after a failing step (each step's exit status is printed) and bounds each step with timeout, so
+# one slow step cannot cost the others their output.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_checks}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
+
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $out/NAME.txt, report the exit status
+    local seconds=$1 name=$2
+    shift 2
+    local start=$SECONDS
+    timeout --signal=INT "$seconds" "$@" 2>&1 | tee "$out/$name.txt"
+    echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+case "${1:-}" in
+tests)  # kernels on CUDA, graph == eager bit for bit (bf16, NF4, every family), robustness, prefill graphs
+    step 560 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_generate_cuda.py \
+        tests/test_nf4_cuda.py tests/models/test_families_cuda.py tests/test_robustness_cuda.py
+    ;;
+kernels)  # the defaults that wait on a timing: NF4 tiles / lookup / x pairs, grouping method, fused norms
+    step 200 nf4_kernels python3 benchmarks/nf4_kernels.py
+    step 150 align_blocks python3 benchmarks/align_blocks.py --num-layers 48 --runs 2
+    step 220 fused_norms python3 benchmarks/fused_norms.py --num-layers 48 --batch-sizes 1,4,8 --runs 2
+    ;;
+bench)  # issue 11 (decode, first token) and issue 8 (NF4 against bf16), beside plain transformers
+    step 260 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8,32,64 --runs 3 \
+        --total-budget-s 240 --out "$out"
+    step 120 bench_ttft python3 -m moegraph bench --ttft 16,128,512 --backends hf,moegraph,moegraph_prefill \
+        --batch-sizes 1,8 --runs 3 --total-budget-s 100 --out "$out"
+    step 180 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+        --total-budget-s 160 --out "$out"
+    ;;
+*)
+    echo "usage: $0 tests|kernels|bench" >&2
+    exit 2
+    ;;
+esac
