@@ -3,9 +3,11 @@
 # (10 minutes; a session has 30 of device time). Logs and JSON go to $OUT (the device tool brings them back).
 #
 #   source .device-carry/activate.sh && bash tools/gpu_checks.sh tests     # ~5 min: every GPU test
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh kernels   # ~8 min: the untimed A/B choices
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh kernels   # ~9 min: kernel timings (NF4 tiles, ...)
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh ab        # ~8 min: the untimed switches, decode A/B
 #   source .device-carry/activate.sh && bash tools/gpu_checks.sh bench     # ~9 min: the tables of BENCHMARKS.md
 #
+# A session's 30 minutes of device time hold three stages (tests first; a stage starts a machine if none is warm).
 # A stage goes on after a failing step (each step's exit status is printed) and bounds each step with timeout, so
 # one slow step cannot cost the others their output.
 set -uo pipefail
@@ -27,10 +29,13 @@ tests)  # kernels on CUDA, graph == eager bit for bit (bf16, NF4, every family),
     step 560 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_generate_cuda.py \
         tests/test_nf4_cuda.py tests/models/test_families_cuda.py tests/test_robustness_cuda.py
     ;;
-kernels)  # the defaults that wait on a timing: NF4 tiles / lookup / x pairs, grouping method, fused norms
-    step 200 nf4_kernels python3 benchmarks/nf4_kernels.py
-    step 150 align_blocks python3 benchmarks/align_blocks.py --num-layers 48 --runs 2
-    step 220 fused_norms python3 benchmarks/fused_norms.py --num-layers 48 --batch-sizes 1,4,8 --runs 2
+kernels)  # kernel-level timings behind the defaults that wait on one: NF4 tiles / lookup / x pairs, grouping
+    step 240 nf4_kernels python3 benchmarks/nf4_kernels.py
+    step 200 align_blocks python3 benchmarks/align_blocks.py --num-layers 48 --runs 2
+    step 120 fused_norms python3 benchmarks/fused_norms.py --num-layers 48 --batch-sizes 1 --runs 2 --no-nf4
+    ;;
+ab)  # decode ms/step of each switch that waits on a timing, off and on, bf16 and NF4 (benchmarks/ab_decode.py)
+    step 570 ab_decode python3 benchmarks/ab_decode.py --num-layers 48 --batch-sizes 1,8 --runs 2
     ;;
 bench)  # issue 11 (decode, first token) and issue 8 (NF4 against bf16), beside plain transformers
     step 260 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8,32,64 --runs 3 \
@@ -41,7 +46,7 @@ bench)  # issue 11 (decode, first token) and issue 8 (NF4 against bf16), beside 
         --total-budget-s 160 --out "$out"
     ;;
 *)
-    echo "usage: $0 tests|kernels|bench" >&2
+    echo "usage: $0 tests|kernels|ab|bench" >&2
     exit 2
     ;;
 esac

@@ -37,6 +37,9 @@ PAIR_GEMV_MAX_TOKENS = 4  # a decode bucket size (1, 2, 4, ...): eager and repla
 PAIR_BLOCK_N = 2
 PAIR_BLOCK_K = 2048
 PAIR_NUM_WARPS = 2
+# The pair path's down GEMVs and the weighted combine in one launch (the same bits; a launch fewer per layer):
+# written without a GPU, so off until benchmarks/ab_decode.py has timed it
+PAIR_COMBINE = False
 ALIGN_BLOCK_I = 32  # pairs ranked per grouping program (fewer for fewer pairs)
 # Grouping: "compare" ranks every pair against every other, BLOCK_I at a time (num_pairs / 32 dependent steps:
 # 31 us a layer at 1,024 pairs, 239 us at 8,192 on the H200, the prefill profile of 2026-12-04); "histogram" counts
@@ -235,9 +238,41 @@ def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_
     tl.store(out_ptr + pair * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _pair_down_combine_kernel(act_ptr, w_ptr, index_ptr, weights_ptr, out_ptr, hidden, inter, stride_we,
+                              TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    """_pair_down_kernel and moe_combine in one: a program owns BLOCK_N outputs of one token and runs the down
+    GEMV of each of its TOP_K experts, rounding each output as the down kernel stores it, then adds them weighted
+    in slot order in float32 (moe_combine's sum, term for term), rounded once: the same bits, one launch less."""
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    token = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    down_dtype = act_ptr.dtype.element_ty  # what _pair_down_kernel stores (the experts' dtype)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # unrolled: every expert's loads can be in flight at once
+        pair = token * TOP_K + slot
+        expert = tl.load(index_ptr + pair).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * inter
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < inter
+            a = tl.load(act_ptr + pair * inter + k, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        y = acc.to(down_dtype).to(tl.float32)
+        out += tl.load(weights_ptr + pair).to(tl.float32) * y
+    tl.store(out_ptr + token * hidden + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int = PAIR_NUM_WARPS):
-    """Per-pair expert outputs [T*K, H] in pair order (row t*K + k: token t through its k-th expert)."""
+                      block_k: int | None = None, num_warps: int = PAIR_NUM_WARPS, top_k_weights=None,
+                      out_dtype: torch.dtype | None = None):
+    """Per-pair expert outputs [T*K, H] in pair order (row t*K + k: token t through its k-th expert); with
+    top_k_weights [T, K], the tokens' outputs [T, H] in out_dtype instead: the down GEMVs and the weighted
+    combine in one launch (_pair_down_combine_kernel, equal to moe_combine of the per-pair outputs)."""
     num_experts, two_inter, hidden_dim = gate_up_proj.shape
     inter = two_inter // 2
     block_n, block_k = block_n or PAIR_BLOCK_N, block_k or PAIR_BLOCK_K
@@ -248,10 +283,21 @@ def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | No
         x, gate_up_proj, index, act, hidden_dim, inter, gate_up_proj.stride(0), TOP_K=top_k_index.shape[-1],
         BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden_dim)), num_warps=num_warps,
         **pdl(x.device))
+    block_k = min(block_k, triton.next_power_of_2(inter))
+    if top_k_weights is not None:
+        tokens, top_k = top_k_index.shape
+        if top_k_weights.shape != (tokens, top_k):
+            raise ValueError(f"pair_gemv_experts: top_k_weights {tuple(top_k_weights.shape)} != top_k_index "
+                             f"{tuple(top_k_index.shape)}")
+        out = torch.empty(tokens, hidden_dim, dtype=out_dtype or x.dtype, device=x.device)
+        _pair_down_combine_kernel[(triton.cdiv(hidden_dim, block_n), tokens)](
+            act, down_proj, index, top_k_weights.contiguous(), out, hidden_dim, inter, down_proj.stride(0),
+            TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **pdl(x.device))
+        return out
     down = torch.empty(pairs, hidden_dim, dtype=gate_up_proj.dtype, device=x.device)
     _pair_down_kernel[(triton.cdiv(hidden_dim, block_n), pairs)](
         act, down_proj, index, down, hidden_dim, inter, down_proj.stride(0), BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=num_warps, **pdl(x.device))
+        BLOCK_K=block_k, num_warps=num_warps, **pdl(x.device))
     return down
 
 
@@ -291,6 +337,9 @@ def fused_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
         raise ValueError("fused_moe_experts: expert weights must be contiguous [E, 2I, H] and [E, H, I]")
     x = hidden.to(gate_up_proj.dtype).contiguous()
     if hidden.shape[0] <= PAIR_GEMV_MAX_TOKENS:
+        if PAIR_COMBINE:
+            return pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, top_k_weights=top_k_weights,
+                                     out_dtype=hidden.dtype)
         return combine(pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj), None, top_k_weights,
                        hidden.dtype)
     position, slot_token, block_expert = align_blocks(top_k_index, num_experts)

@@ -17,7 +17,7 @@ add_rms_norm_gemv_group does for dense weights).
 Capture-safe: grid and partial buffer sized from the shapes, no host sync.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -60,8 +60,9 @@ class NF4LinearConfig:
     split_k: Optional[int] = None  # None: 1 on the multiply-add path, else enough programs for TARGET_PROGRAMS
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
-    lookup: int = LOOKUP
-    x_pairs: bool = X_PAIRS  # multiply-add path, 16-bit x: read x as pairs in the weight tile's layout (_nf4.py)
+    lookup: Optional[int] = None  # None: the module's LOOKUP at the call
+    x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
+    # (_nf4.py); None: the module's X_PAIRS at the call
 
 
 @triton.jit
@@ -191,6 +192,13 @@ def _launch_options(cfg: NF4LinearConfig, use_dot: bool, block_n: int) -> dict:
     return launch
 
 
+def _resolve(config: Optional[NF4LinearConfig]) -> NF4LinearConfig:
+    """The config of one call with its None choices that the module decides (LOOKUP, X_PAIRS) filled in now."""
+    cfg = config or NF4LinearConfig()
+    return replace(cfg, lookup=LOOKUP if cfg.lookup is None else cfg.lookup,
+                   x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs)
+
+
 def _uses_dot(rows_m: int, cfg: NF4LinearConfig) -> bool:
     return cfg.use_dot if cfg.use_dot is not None else rows_m >= DOT_MIN_M
 
@@ -224,7 +232,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         raise InvalidArgumentError(f"{op}: x must be [M, K = {K}], got {tuple(x.shape)}")
     w = check_nf4(op, NF4Tensors(packed, absmax, (N, K), nested_code, nested_absmax, offset), code, x.device)
     _check_bias(op, bias, N, x.device)
-    cfg = config or NF4LinearConfig()
+    cfg = _resolve(config)
     rows_m = x.shape[0]
     use_dot = _uses_dot(rows_m, cfg)
     block_n, block_k = _tile(cfg, use_dot, N, op)
@@ -307,7 +315,7 @@ def _check_group(op: str, x: torch.Tensor, weights: Sequence[NF4Tensors], code: 
 def _launch_group(op, x, weights, code, config, biases, norm):
     """norm: None, or (residual or None, norm weight, eps, summed output): x is normalized in the kernel."""
     views = _check_group(op, x, weights, code, biases)
-    cfg = config or NF4LinearConfig()
+    cfg = _resolve(config)
     rows_m, K = x.shape
     use_dot = _uses_dot(rows_m, cfg)
     block_n, block_k = _tile(cfg, use_dot, sum(v.rows for v in views), op)
@@ -327,7 +335,8 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup,
-        NORM=norm is not None, HAS_ADD=residual is not None, X_PAIRS=cfg.x_pairs, **launch)
+        NORM=norm is not None, HAS_ADD=residual is not None,
+        X_PAIRS=cfg.x_pairs, **launch)
     return outs
 
 

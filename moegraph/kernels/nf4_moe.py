@@ -45,6 +45,7 @@ LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x s
 # X_PAIRS (x read as pairs in the weight tile's layout) take the multiply-add loop from 12 shared-memory barriers
 # a step to 4 at the same instruction count (SASS of the sm_90 build, tools/sass_report.py)
 X_PAIRS = False
+PAIR_COMBINE = False  # multiply-add path: the down GEMVs and the weighted combine in one launch (same bits), untimed
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class NF4MoEConfig:
     use_dot: Optional[bool] = None
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
-    lookup: int = LOOKUP
-    x_pairs: bool = X_PAIRS  # multiply-add path, 16-bit x: read x as pairs in the weight tile's layout (_nf4.py)
+    lookup: Optional[int] = None  # None: the module's LOOKUP at the call
+    # None: the module's X_PAIRS / PAIR_COMBINE at the call (what a decode-wide A/B switches)
+    x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
+    combine: Optional[bool] = None  # multiply-add path: the down GEMVs and moe_combine in one launch
 
 
 @triton.jit
@@ -149,6 +152,46 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
     _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
+@triton.jit
+def _down_combine_nf4_kernel(act_ptr, expert_ptr, weights_ptr, out_ptr, w_ptr, absmax_ptr, nested_code_ptr,
+                             nested_absmax_ptr, offset_ptr, code_ptr, hidden, row_bytes, stride_we,
+                             blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr,
+                             EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False,
+                             USE_PDL: tl.constexpr = False):
+    """The multiply-add path's down projection and moe_combine in one launch: a program owns BLOCK_N outputs of
+    one token and runs the down GEMV of each of its TOP_K pairs (rounded as _down_nf4_kernel stores it), adding
+    them weighted in slot order in float32 (moe_combine's sum, term for term), rounded once: the same bits."""
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        w, absmax, nested_absmax, offset = _expert_weights(tl.load(expert_ptr + pair), w_ptr, absmax_ptr,
+                                                           nested_absmax_ptr, offset_ptr, stride_we,
+                                                           blocks_per_expert, nested_per_expert)
+        y, _ = _nf4_matmul(act_ptr, pair, True, w, absmax, nested_code_ptr, nested_absmax, offset, code_ptr, n, n,
+                           n_mask, 0, row_bytes, row_bytes, dtype, 1, BLOCK_N, BLOCK_K, False, False, ALIGNED,
+                           NESTED, EXACT_MUL, LOOKUP, False, X_PAIRS=X_PAIRS)
+        out += tl.load(weights_ptr + pair).to(tl.float32) * y.to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * hidden + n, out.to(dtype), mask=n_mask)
+
+
+def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim: int, top_k: int, dtype):
+    tokens = top_k_weights.shape[0]
+    out = torch.empty(tokens, hidden_dim, dtype=dtype, device=act.device)
+    _down_combine_nf4_kernel[(tokens, triton.cdiv(hidden_dim, cfg.down_block_n))](
+        act, experts, top_k_weights.contiguous(), out, dn.packed, dn.absmax, dn.nested_code, dn.nested_absmax,
+        dn.offset, code, hidden_dim, dn.cols // 2, dn.packed.stride(0), dn.absmax.stride(0), dn.nested_absmax.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
+        EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=cfg.lookup, X_PAIRS=cfg.x_pairs,
+        num_warps=cfg.num_warps or NUM_WARPS, **pdl(out.device))
+    return out
+
+
 def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
     slot_token, block_expert, experts = routing
     if slot_token is None:  # pair order: the kernels never read the grouping
@@ -190,7 +233,10 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     few = not use_dot and tokens > 1
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
                                                                             else GATE_UP_BLOCK_N),
-                              down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N))
+                              down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N),
+                              lookup=LOOKUP if cfg.lookup is None else cfg.lookup,
+                              x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs,
+                              combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
     if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2):
         raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
                                    f"cores), got {cfg}")
@@ -206,6 +252,8 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     act = torch.empty(slots, inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
     _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
             cfg.gate_up_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
+    if not use_dot and cfg.combine:
+        return _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim, top_k, hidden.dtype)
     out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
             cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)

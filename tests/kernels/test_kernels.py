@@ -183,6 +183,35 @@ def test_fused_moe_experts(tokens, top_k, experts, hidden, inter):
     torch.testing.assert_close(got, want, atol=tol, rtol=10 * tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (3, 2)])
+def test_pair_down_and_combine_in_one_launch_give_the_same_bits(dtype, tokens, top_k):
+    """The pair path with the combine fused into its down GEMVs equals the two launches (down, then moe_combine)
+    bit for bit, through fused_moe_experts (PAIR_COMBINE on and off) and pair_gemv_experts itself."""
+    from moegraph.kernels import fused_moe, moe_combine
+
+    gen = torch.Generator().manual_seed(31 + tokens)
+    experts, hidden, inter = 16, 64, 96
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).to(DEVICE, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).to(DEVICE, dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE, dtype)
+    runs = {}
+    for fused in (False, True):
+        keep = fused_moe.PAIR_COMBINE
+        fused_moe.PAIR_COMBINE = fused
+        try:
+            runs[fused] = fused_moe.fused_moe_experts(x, index, weights, gate_up, down, moe_combine.moe_combine)
+        finally:
+            fused_moe.PAIR_COMBINE = keep
+    assert runs[True].dtype == dtype and torch.equal(runs[True], runs[False])
+    direct = fused_moe.pair_gemv_experts(x, index, gate_up, down, top_k_weights=weights, out_dtype=dtype)
+    assert torch.equal(direct, runs[False])
+    with pytest.raises(ValueError, match="top_k_weights"):
+        fused_moe.pair_gemv_experts(x, index, gate_up, down, top_k_weights=weights[:, :1])
+
+
 @pytest.mark.cuda
 def test_fused_moe_experts_bf16_against_grouped_mm():
     from moegraph.kernels import fused_moe, moe_combine

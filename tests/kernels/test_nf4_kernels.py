@@ -235,6 +235,35 @@ def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_down_and_combine_in_one_launch_give_the_same_bits(dtype, tokens):
+    """combine=True (the multiply-add path's down GEMVs and moe_combine in one launch) equals the two launches bit
+    for bit; the module's PAIR_COMBINE is the default of a config that leaves it None."""
+    from moegraph.kernels import nf4_moe
+
+    gate_up, down = _random_nf4(4, 64, 64, False, seed=80), _random_nf4(4, 64, 32, False, seed=81)
+    x = torch.randn(tokens, 64, generator=_gen(82)).to(DEVICE, dtype)
+    index = torch.rand(tokens, 3, generator=_gen(83)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=_gen(84)).to(DEVICE, dtype)
+    code = nf4_code(DEVICE)
+    run = lambda **cfg: fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine,  # noqa: E731
+                                              NF4MoEConfig(use_dot=False, block_k=64, **cfg))
+    apart, together = run(combine=False), run(combine=True)
+    assert together.dtype == dtype and torch.equal(together, apart)
+    keep = nf4_moe.PAIR_COMBINE
+    nf4_moe.PAIR_COMBINE = True
+    try:
+        launches = []
+        kernel = nf4_moe._down_combine_nf4_kernel
+        nf4_moe._down_combine_nf4_kernel = type("Counted", (), {"__getitem__": lambda self, grid: (
+            launches.append(grid), kernel[grid])[1]})()
+        assert torch.equal(run(), apart) and len(launches) == 1
+    finally:
+        nf4_moe.PAIR_COMBINE = keep
+        nf4_moe._down_combine_nf4_kernel = kernel
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bf16 rounding only")
 def test_bf16_is_exact_under_interpreter_rounding(monkeypatch):
     """With the references' float32 -> bf16 casts truncating like the interpreter's, the kernels match exactly:

@@ -1,0 +1,108 @@
+"""Decode ms/step with each switch that waits on a GPU timing off and on, one at a time, then all of them on:
+full-size Qwen3-30B-A3B layers, graphs on, bf16 then NF4 (the same model quantized in place). A switch's
+default changes only after this has timed it.
+
+    python benchmarks/ab_decode.py --num-layers 48
+    python benchmarks/ab_decode.py --num-layers 12 --switches pair_combine,nf4_x_pairs --batch-sizes 1
+
+Switches (each a module-level choice that a new patch's captures read):
+- fuse_norms: the norms before attention and the router inside the GEMVs after them (the op table's fuse_norms);
+- pair_combine: the pair path's down GEMVs and the weighted combine in one launch (fused_moe.PAIR_COMBINE, and
+  nf4_moe.PAIR_COMBINE for the NF4 multiply-add path);
+- align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
+- nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
+  weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only.
+Tokens are compared with the switch off: fused norms and grouping may flip a near-tie (another summation order);
+pair_combine, lookup3 and x_pairs give the same bits.
+"""
+
+import argparse
+
+import torch
+
+from _decode import ab_table, decode, same_tokens
+from moegraph import ops
+from moegraph.cuda_graph import decoder
+from moegraph.kernels import fused_moe, nf4_gemv, nf4_moe
+from moegraph.quant.experts import quantize_experts
+from moegraph.quant.projections import quantize_projections
+from moegraph.testing import build_model
+
+_OPS_FOR_MODEL = decoder.ops_for_model
+
+
+def _fuse_norms(on: bool) -> None:
+    decoder.ops_for_model = lambda model, backend="auto": _OPS_FOR_MODEL(model, backend, fuse_norms=on)
+
+
+def _pair_combine(on: bool) -> None:
+    fused_moe.PAIR_COMBINE = nf4_moe.PAIR_COMBINE = on
+
+
+def _align_histogram(on: bool) -> None:
+    fused_moe.ALIGN_METHOD = "histogram" if on else "compare"
+
+
+def _nf4_lookup3(on: bool) -> None:
+    nf4_moe.LOOKUP = nf4_gemv.LOOKUP = 3 if on else 1
+
+
+def _nf4_x_pairs(on: bool) -> None:
+    nf4_moe.X_PAIRS = nf4_gemv.X_PAIRS = on
+
+
+# name -> (setter, default state, NF4 rows only)
+SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
+            "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
+            "nf4_x_pairs": (_nf4_x_pairs, False, True)}
+
+
+def _set_all(names, on: bool) -> None:
+    for name in names:
+        SWITCHES[name][0](on)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--switches", default=",".join(SWITCHES))
+    parser.add_argument("--no-nf4", action="store_true")
+    args = parser.parse_args()
+    names = args.switches.split(",")
+    unknown = set(names) - set(SWITCHES)
+    if unknown:
+        parser.error(f"unknown switches {sorted(unknown)}; known: {', '.join(SWITCHES)}")
+    model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
+    print(ops.ops_for_model(model).describe())
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    tables = {}
+    for weights in ("bf16",) if args.no_nf4 else ("bf16", "nf4"):
+        if weights == "nf4":
+            quantize_projections(model)
+            quantize_experts(model)
+            torch.cuda.empty_cache()
+        used = [n for n in names if weights == "nf4" or not SWITCHES[n][2]]
+        for label, switched in [(n, [n]) for n in used] + [("all", used)]:
+            rows = tables.setdefault(label, [])
+            for bs in sizes:
+                results = {}
+                for on in (False, True):
+                    _set_all(used, False)
+                    _set_all(switched, on)
+                    results[on] = decode(model, bs, args.new_tokens, args.runs)[:2]
+                (off_ms, off_tokens), (on_ms, on_tokens) = results[False], results[True]
+                rows.append((weights, bs, off_ms, on_ms, same_tokens(off_tokens, on_tokens)))
+                print(label, rows[-1], flush=True)
+    for name in SWITCHES:  # back to the defaults
+        SWITCHES[name][0](SWITCHES[name][1])
+    print(f"\n{torch.cuda.get_device_name()} layers={args.num_layers} new_tokens={args.new_tokens} runs={args.runs}")
+    for label, rows in tables.items():
+        print(f"\n{label} (off: every listed switch off; all: every one on)" if label == "all" else f"\n{label}")
+        print(ab_table(rows, "off", "on"))
+
+
+if __name__ == "__main__":
+    main()
