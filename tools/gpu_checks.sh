@@ -37,13 +37,15 @@ kernels)  # kernel-level timings behind the defaults that wait on one: NF4 tiles
 ab)  # decode ms/step of each switch that waits on a timing, off and on, bf16 and NF4 (benchmarks/ab_decode.py)
     step 570 ab_decode python3 benchmarks/ab_decode.py --num-layers 48 --batch-sizes 1,8 --runs 2
     ;;
-bench)  # issue 11 (decode, first token) and issue 8 (NF4 against bf16), beside plain transformers
+bench)  # issue 11 (decode, first token, long generation) and issue 8 (NF4 against bf16), beside transformers
     step 260 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8,32,64 --runs 3 \
         --total-budget-s 240 --out "$out"
     step 120 bench_ttft python3 -m moegraph bench --ttft 16,128,512 --backends hf,moegraph,moegraph_prefill \
         --batch-sizes 1,8 --runs 3 --total-budget-s 100 --out "$out"
-    step 180 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
-        --total-budget-s 160 --out "$out"
+    step 170 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+        --total-budget-s 150 --out "$out"
+    step 90 bench_long python3 -m moegraph bench --long 32,256,1024 --backends moegraph --runs 1 \
+        --total-budget-s 80 --out "$out"
     ;;
 *)
     echo "usage: $0 tests|kernels|ab|bench" >&2
