@@ -48,6 +48,20 @@ def moe_gate_weight(mlp: nn.Module) -> torch.Tensor | None:
     return mlp.gate.weight if hasattr(mlp, "experts") else None
 
 
+def softmax_topk_experts(block: nn.Module, hidden: torch.Tensor, ops, router_logits: torch.Tensor | None = None,
+                         normalize: bool | None = None, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The routed experts of a block whose `gate` is a linear softmax top-k router (Qwen3, Qwen2, Qwen3-VL, Mixtral,
+    OLMoE) for [b, H] decode rows: logits (unless the norm's fused GEMV gave them: ops.add_norm_router), softmax in
+    float32, top-k, renormalised when `normalize` (None: the gate's norm_topk_prob), weights in weights_dtype (None:
+    the logits'). Skips the router module call: no router logits are recorded."""
+    gate = block.gate
+    if router_logits is None:
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
+    normalize = gate.norm_topk_prob if normalize is None else normalize
+    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, normalize, weights_dtype=weights_dtype)
+    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+
+
 def _norm_mlp(add_norm: AddNorm, router_weight: RouterWeight | None, mlp: Mlp, norm: nn.Module, module: nn.Module,
               residual: torch.Tensor, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm before the MLP and the MLP: (residual + x, mlp output). With the standard add + RMSNorm and a

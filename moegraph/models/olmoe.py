@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, sliding_window_check
+from ._shared import (gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, sliding_window_check,
+                      softmax_topk_experts)
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -63,9 +64,5 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
-    """OlmoeSparseMoeBlock for [b, H] decode rows. No router logits are recorded."""
-    gate = block.gate
-    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
-        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
-    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
-    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+    """OlmoeSparseMoeBlock for [b, H] decode rows (renormalised only with norm_topk_prob)."""
+    return softmax_topk_experts(block, hidden, ops, router_logits)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, softmax_topk_experts
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -88,11 +88,7 @@ def dense_mlp(mlp: nn.Module, hidden: torch.Tensor, ops) -> torch.Tensor:
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
-    """Qwen2MoeSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
-    gate = block.gate
-    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
-        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
-    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)  # logits' dtype
-    routed = ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+    """Qwen2MoeSparseMoeBlock for [b, H] decode rows: the routed experts plus the sigmoid-gated shared expert."""
+    routed = softmax_topk_experts(block, hidden, ops, router_logits)
     shared = dense_mlp(block.shared_expert, hidden, ops)
     return routed + torch.sigmoid(ops.linear(block.shared_expert_gate, hidden)) * shared  # gate [b, 1]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, softmax_topk_experts
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -51,9 +51,5 @@ def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
 
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
-    """The sparse block for [b, H] decode rows. Skips the router module call: no router logits are recorded."""
-    gate = block.gate
-    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
-        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
-    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, gate.norm_topk_prob)
-    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+    """The sparse block for [b, H] decode rows: softmax top-k, renormalised with norm_topk_prob."""
+    return softmax_topk_experts(block, hidden, ops, router_logits)

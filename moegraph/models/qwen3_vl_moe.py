@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import moe_gate_weight, prenorm_decode_forward
+from ._shared import moe_gate_weight, prenorm_decode_forward, softmax_topk_experts
 from .qwen3_moe import _attention
 
 if TYPE_CHECKING:
@@ -91,8 +91,4 @@ def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3VLMoeTextSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are
     recorded."""
-    gate = block.gate
-    if router_logits is None:  # else computed with the norm before the block (ops.add_norm_router)
-        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
-    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, True)  # the logits' dtype
-    return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
+    return softmax_topk_experts(block, hidden, ops, router_logits, normalize=True)  # weights in the logits' dtype
