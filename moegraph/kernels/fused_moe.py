@@ -220,13 +220,10 @@ def _pair_gate_up_silu_kernel(x_ptr, w_ptr, index_ptr, act_ptr, hidden, inter, s
 
 
 @triton.jit
-def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_we, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
-    pair = tl.program_id(1)
+def _pair_down_rows(act_ptr, w_ptr, index_ptr, pair, n, n_mask, inter, stride_we, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Outputs n of pair `pair`'s down GEMV (its expert's rows times its activations), float32 [BLOCK_N]."""
     expert = tl.load(index_ptr + pair).to(tl.int64)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < hidden
     w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * inter
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
@@ -235,6 +232,17 @@ def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_
         a = tl.load(act_ptr + pair * inter + k, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _pair_down_kernel(act_ptr, w_ptr, index_ptr, out_ptr, hidden, inter, stride_we, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    pair = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < hidden
+    acc = _pair_down_rows(act_ptr, w_ptr, index_ptr, pair, n, n_mask, inter, stride_we, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + pair * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -253,17 +261,8 @@ def _pair_down_combine_kernel(act_ptr, w_ptr, index_ptr, weights_ptr, out_ptr, h
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):  # unrolled: every expert's loads can be in flight at once
         pair = token * TOP_K + slot
-        expert = tl.load(index_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * inter
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = k < inter
-            a = tl.load(act_ptr + pair * inter + k, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        y = acc.to(down_dtype).to(tl.float32)
-        out += tl.load(weights_ptr + pair).to(tl.float32) * y
+        y = _pair_down_rows(act_ptr, w_ptr, index_ptr, pair, n, n_mask, inter, stride_we, BLOCK_N, BLOCK_K)
+        out += tl.load(weights_ptr + pair).to(tl.float32) * y.to(down_dtype).to(tl.float32)
     tl.store(out_ptr + token * hidden + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
