@@ -38,7 +38,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
-         torch.int32: "i32", torch.int64: "i64"}
+         torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 E, H, I = 8, 2048, 768  # Qwen3-30B-A3B's expert shapes (the compiled code does not depend on E)
 
 
