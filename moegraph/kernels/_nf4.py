@@ -135,6 +135,12 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
                    experts, rows, cols, True)
 
 
+def pairs_readable(x: torch.Tensor, x_pairs: bool) -> bool:
+    """X_PAIRS for a launch on activations x: asked for, and x starts on a 4-byte boundary (its rows then do too: K
+    is even), so that its 32-bit pair loads are aligned (a view may start mid-word)."""
+    return bool(x_pairs) and x.data_ptr() % 4 == 0
+
+
 def check_compute_dtype(op: str, x: torch.Tensor):
     if x.dtype not in _COMPUTE_DTYPES:
         raise InvalidArgumentError(f"{op}: activations must be float32, float16 or bfloat16, got {x.dtype}")

@@ -235,6 +235,15 @@ def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_x_pairs_only_where_the_words_are_aligned():
+    """A view that starts mid-word (its 32-bit pair loads would be misaligned on a GPU) keeps the 1-D loads."""
+    from moegraph.kernels._nf4 import pairs_readable
+
+    words = torch.zeros(1, 66, dtype=torch.bfloat16, device=DEVICE)
+    assert pairs_readable(words[:, :64], True) and not pairs_readable(words[:, :64], False)
+    assert not pairs_readable(words.view(-1)[1:65].view(1, 64), True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_down_and_combine_in_one_launch_give_the_same_bits(dtype, tokens):
