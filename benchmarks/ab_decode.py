@@ -9,11 +9,13 @@ Switches (each a module-level choice that a new patch's captures read):
 - fuse_norms: the norms before attention and the router inside the GEMVs after them (the op table's fuse_norms);
 - pair_combine: the pair path's down GEMVs and the weighted combine in one launch (fused_moe.PAIR_COMBINE, and
   nf4_moe.PAIR_COMBINE for the NF4 multiply-add path);
+- gemv_dot: dense q/k/v (with its norm) and o_proj at 5-16 rows through the GEMV's tensor-core form instead of
+  cuBLAS (gemv.DOT_MAX_ROWS);
 - align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
 - nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
   weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only.
-Tokens are compared with the switch off: fused norms and grouping may flip a near-tie (another summation order);
-pair_combine, lookup3 and x_pairs give the same bits.
+Tokens are compared with the switch off: fused norms, tensor cores and grouping may flip a near-tie (another
+summation order); pair_combine, lookup3 and x_pairs give the same bits.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch
 from _decode import ab_table, decode, same_tokens
 from moegraph import ops
 from moegraph.cuda_graph import decoder
-from moegraph.kernels import fused_moe, nf4_gemv, nf4_moe
+from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
@@ -37,6 +39,10 @@ def _fuse_norms(on: bool) -> None:
 
 def _pair_combine(on: bool) -> None:
     fused_moe.PAIR_COMBINE = nf4_moe.PAIR_COMBINE = on
+
+
+def _gemv_dot(on: bool) -> None:
+    gemv.DOT_MAX_ROWS = gemv.DOT_ROWS_LIMIT if on else 0
 
 
 def _align_histogram(on: bool) -> None:
@@ -53,6 +59,7 @@ def _nf4_x_pairs(on: bool) -> None:
 
 # name -> (setter, default state, NF4 rows only)
 SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
+            "gemv_dot": (_gemv_dot, False, False),
             "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
             "nf4_x_pairs": (_nf4_x_pairs, False, True)}
 

@@ -23,6 +23,7 @@ SHAPES = {"qkv": (2048, (4096, 512, 512)), "o": (4096, (2048,)), "lm_head": (204
           "router": (2048, (128,))}
 GEMV_TILES = [(2, 1024), (4, 1024), (4, 512), (8, 512), (8, 256), (16, 256)]
 PAIR_TILES = [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)]
+DOT_TILES = [(16, 128), (16, 256), (32, 128), (32, 256), (64, 128)]
 
 
 def gemv_table():
@@ -41,6 +42,16 @@ def gemv_table():
             chosen = gemv.tile_for(m, max(ns), k)
             print(f"{name:>8} {m:>2} {base:11.2f} {str(tile):>12} {us:7.2f} {nbytes / us / 1e6:6.2f} "
                   + " ".join(f"{t[0]}x{t[1]}{'*' if t == chosen else ''}:{u:.1f}" for t, u in tiles))
+        for m in (4, 8, 16):  # the tensor-core form (use_dot), tiles x warps
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = replay_us(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+            cells = []
+            for tile, warps in itertools.product(DOT_TILES, (2, 4)):
+                us = replay_us(lambda: gemv.linear_gemv_group(x, weights, tile=tile, num_warps=warps, use_dot=True))
+                cells.append((us, f"{tile[0]}x{tile[1]}/{warps}{'*' if tile == gemv.DOT_TILE else ''}:{us:.1f}"))
+            best = min(cells)[0]
+            print(f"{name + ' dot':>8} {m:>2} {base:11.2f} {'':>12} {best:7.2f} {nbytes / best / 1e6:6.2f} "
+                  + " ".join(c for _, c in cells))
 
 
 def experts_table():

@@ -97,8 +97,19 @@ def _gemv_takes(weight: torch.Tensor, x: torch.Tensor, max_rows: int) -> bool:
             and weight.is_contiguous())
 
 
-def _takes_gemv(module: nn.Module, x: torch.Tensor, max_rows: int) -> bool:
-    return type(module) is nn.Linear and _gemv_takes(module.weight, x, max_rows)
+def _gemv_form(weights, x: torch.Tensor, fma_rows: int) -> str | None:
+    """How moegraph's GEMV runs x times these weights: "fma" up to fma_rows rows, "dot" (tensor cores) up to
+    gemv.DOT_MAX_ROWS, None where torch's linear does (more rows, a weight it does not take)."""
+    rows = x.shape[0] if x.dim() == 2 else gemv.WIDE_N
+    for form, limit in (("fma", fma_rows), ("dot", gemv.DOT_MAX_ROWS)):
+        if rows <= limit and all(_gemv_takes(w, x, limit) for w in weights):
+            return form
+    return None
+
+
+def _linear_weights(modules) -> list | None:
+    """The weights of plain nn.Linear modules (None if any is another kind: its own forward knows)."""
+    return [m.weight for m in modules] if all(type(m) is nn.Linear for m in modules) else None
 
 
 def _router_logits_gemv(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -113,19 +124,31 @@ def _router_logits_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.T
 
 def _dense_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A plain nn.Linear at decode batch sizes through moegraph's GEMV; anything else as _dense_linear does."""
-    if _takes_gemv(module, x, gemv.LINEAR_MAX_ROWS):
-        return gemv.linear_gemv(x, module.weight, module.bias)
+    weights = _linear_weights([module])
+    form = _gemv_form(weights, x, gemv.LINEAR_MAX_ROWS) if weights else None
+    if form is not None:
+        bias = None if module.bias is None else [module.bias]
+        return gemv.linear_gemv_group(x, weights, bias, use_dot=form == "dot")[0]
     return _dense_linear(module, x)
+
+
+def _qkv_group(attn: nn.Module, x: torch.Tensor):
+    """(weights, biases or None, GEMV form) of q, k and v in one launch, or None where they do not go together."""
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weights, with_bias = _linear_weights(modules), {m.bias is not None for m in modules}
+    form = _gemv_form(weights, x, gemv.QKV_MAX_ROWS) if weights and len(with_bias) == 1 else None
+    if form is None:
+        return None
+    return weights, [m.bias for m in modules] if with_bias.pop() else None, form
 
 
 def _dense_gemv_qkv(attn: nn.Module, x: torch.Tensor):
     """q, k and v in one GEMV launch over the modules' own weights (all biased or none), else one by one."""
-    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
-    with_bias = {m.bias is not None for m in modules}
-    if not all(_takes_gemv(m, x, gemv.QKV_MAX_ROWS) for m in modules) or len(with_bias) != 1:
+    group = _qkv_group(attn, x)
+    if group is None:
         return _qkv_one_by_one(_dense_gemv_linear, attn, x)
-    biases = [m.bias for m in modules] if with_bias.pop() else None
-    return gemv.linear_gemv_group(x, [m.weight for m in modules], biases)
+    weights, biases, form = group
+    return gemv.linear_gemv_group(x, weights, biases, use_dot=form == "dot")
 
 
 def _add_norm_then_qkv(rms_norm_op: Callable, add_rms_norm_op: Callable, qkv: Callable, norm: nn.Module,
@@ -142,14 +165,13 @@ def _dense_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch
                              attn: nn.Module):
     """add + RMSNorm + q/k/v in one GEMV launch (kernels/gemv.py) where the q/k/v GEMV takes the rows and the norm
     weight is of their dtype; otherwise `unfused`."""
-    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
-    with_bias = {m.bias is not None for m in modules}
-    if (not all(_takes_gemv(m, residual, gemv.QKV_MAX_ROWS) for m in modules) or len(with_bias) != 1
-            or norm.weight.dtype != residual.dtype):
+    group = _qkv_group(attn, residual)
+    if group is None or norm.weight.dtype != residual.dtype or (group[2] == "fma"
+                                                                and residual.shape[0] > gemv.NORM_MAX_ROWS):
         return unfused(norm, residual, x, attn)
-    biases = [m.bias for m in modules] if with_bias.pop() else None
-    return gemv.add_rms_norm_gemv_group(residual, x, norm.weight, norm.variance_epsilon, [m.weight for m in modules],
-                                        biases)
+    weights, biases, form = group
+    return gemv.add_rms_norm_gemv_group(residual, x, norm.weight, norm.variance_epsilon, weights, biases,
+                                        use_dot=form == "dot")
 
 
 def _add_norm_then_router(add_rms_norm_op: Callable, router_logits: Callable, norm: nn.Module,
@@ -291,7 +313,9 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     elif kernel_name == "triton":
         linear, linear_name, linear_why = (_dense_gemv_linear, "triton", "moegraph's GEMV where it beats cuBLAS "
                                            f"(q, k and v in one launch up to {gemv.QKV_MAX_ROWS} rows, others up to "
-                                           f"{gemv.LINEAR_MAX_ROWS}), torch.nn.functional.linear otherwise")
+                                           f"{gemv.LINEAR_MAX_ROWS}"
+                                           + (f"; on tensor cores up to {gemv.DOT_MAX_ROWS}" if gemv.DOT_MAX_ROWS
+                                              else "") + "), torch.nn.functional.linear otherwise")
         qkv = _dense_gemv_qkv
     else:
         linear, linear_name, linear_why = _dense_linear, "torch", "torch.nn.functional.linear"

@@ -226,6 +226,31 @@ def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     assert calls == {"qkv": launches, "router": launches}
 
 
+def test_projections_on_tensor_cores_from_5_rows(monkeypatch):
+    """gemv.DOT_MAX_ROWS = 16 (off by default until timed): at 5-16 rows q/k/v (with its norm), o_proj and a small
+    lm_head run through the GEMV's tensor-core form instead of torch's linear; transformers' tokens either way."""
+    from moegraph import ops
+    from moegraph.cuda_graph import decoder
+    from moegraph.kernels import gemv
+
+    model = build_model("tiny", seed=4, num_layers=2)
+    monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
+        m, backend, kernels="triton"))
+    monkeypatch.setattr(gemv, "DOT_MAX_ROWS", 16)
+    forms = []
+    for name in ("linear_gemv_group", "add_rms_norm_gemv_group"):
+        def counted(*args, _fn=getattr(gemv, name), **kwargs):
+            forms.append(kwargs.get("use_dot", False))
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(gemv, name, counted)
+    inputs = random_prompts(6, vocab_size=model.config.vocab_size, seed=25)
+    want, got, stats = _both(model, inputs, max_new_tokens=4, do_sample=False)
+    assert stats.fallback_reason is None and torch.equal(got, want)
+    # per decode step (bucket 8), each layer: the norm + q/k/v launch and o_proj on tensor cores, the router's
+    # multiply-add GEMV (up to gemv.ROUTER_MAX_ROWS); then the tiny vocabulary's lm_head on tensor cores
+    assert forms == ([True, True, False] * 2 + [True]) * (stats.steps - 1)
+
+
 def test_failed_capture_warns_and_decodes_eagerly(model, monkeypatch, caplog):
     """A capture that raises must give one warning and the same tokens from the eager loop."""
     from moegraph.cuda_graph import decoder, graphs

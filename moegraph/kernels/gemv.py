@@ -39,6 +39,12 @@ ROUTER_MAX_ROWS = 8
 NORM_MAX_ROWS = QKV_MAX_ROWS
 WIDE_N = 32768  # outputs from which cuBLAS is as fast at any row count (the lm_head)
 NUM_WARPS = 4
+# The tensor-core form (use_dot=True) for up to DOT_ROWS_LIMIT rows, where the multiply-add form loses to cuBLAS
+# (q+k+v at 8 rows above: three launches, 21 MB in 15.3 us, 1.4 TB/s). Written without a GPU: the op table sends
+# rows to it only up to DOT_MAX_ROWS, 0 until benchmarks/ab_decode.py (switch gemv_dot) and gemv_decode.py time it.
+DOT_ROWS_LIMIT = 16
+DOT_MAX_ROWS = 0
+DOT_TILE = (16, 256)  # 16 weight rows a program (the smallest tensor-core tile): 320 programs for q+k+v, 128 for o
 
 
 def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
@@ -94,7 +100,58 @@ def row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, WRITE_SUM,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-               NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr):
+               NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    if USE_DOT:
+        _gemv_tile_dot(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
+                       WRITE_SUM, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL, DOT_FP32)
+    else:
+        _gemv_tile_fma(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
+                       WRITE_SUM, ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
+
+
+@triton.jit
+def _gemv_tile_dot(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
+                   WRITE_SUM, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr,
+                   USE_PDL: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The tensor-core form for 5-16 rows: [BLOCK_N, BLOCK_K] weight tiles times the rows (padded to ROWS >= 16)
+    on tensor cores, float32 accumulation (a bf16 product is exact in float32: only the order of the sums differs
+    from the multiply-add form). DOT_FP32: float32 operands (float32 weights, or the CPU interpreter)."""
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+    col_mask = cols < N
+    rows = tl.arange(0, ROWS)
+    row_mask = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
+        if STORE_NORMED:
+            if WRITE_SUM:
+                tl.store(normed_ptr + rows[:, None] * K + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[None, :] & col_mask[:, None])
+
+
+@triton.jit
+def _gemv_tile_fma(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
+                   WRITE_SUM, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_mask = cols < N
     rows = tl.arange(0, ROWS)
@@ -131,7 +188,7 @@ def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, 
                        res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr = False,
                        HAS_ADD: tl.constexpr = False, STORE_NORMED: tl.constexpr = False,
-                       USE_PDL: tl.constexpr = False):
+                       USE_DOT: tl.constexpr = False, DOT_FP32: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Program tiles [0, tiles0) are weight 0's output columns, [tiles0, tiles01) weight 1's, the rest weight 2's.
     NORM: x is (residual +) the rows before RMSNorm (weight nw_ptr), normalized here; program 0 writes the sum
     (HAS_ADD) and the normalized rows (STORE_NORMED)."""
@@ -139,33 +196,35 @@ def _gemv_group_kernel(x_ptr, w0, b0, out0, N0, w1, b1, out1, N1, w2, b2, out2, 
     first = tile == 0
     if tile < tiles0:
         _gemv_tile(x_ptr, w0, b0, out0, tile, M, N0, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first, ROWS,
-                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
+                   BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL, USE_DOT, DOT_FP32)
     elif tile < tiles01:
         _gemv_tile(x_ptr, w1, b1, out1, tile - tiles0, M, N1, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first,
-                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
+                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL, USE_DOT, DOT_FP32)
     else:
         _gemv_tile(x_ptr, w2, b2, out2, tile - tiles01, M, N2, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, first,
-                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL)
+                   ROWS, BLOCK_N, BLOCK_K, HAS_BIAS, NORM, HAS_ADD, STORE_NORMED, USE_PDL, USE_DOT, DOT_FP32)
 
 
-def _check_group(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+def _check_group(x: torch.Tensor, weights: Sequence[torch.Tensor], use_dot: bool) -> None:
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"linear_gemv_group: 1 to 3 weights, got {len(weights)}")
     rows, k = x.shape
-    if rows > MAX_ROWS:
-        raise ValueError(f"linear_gemv_group: at most {MAX_ROWS} rows, got {rows} (use torch.nn.functional.linear)")
+    limit = DOT_ROWS_LIMIT if use_dot else MAX_ROWS
+    if rows > limit:
+        raise ValueError(f"linear_gemv_group: at most {limit} rows{' (tensor cores)' if use_dot else ''}, got {rows} "
+                         f"(use torch.nn.functional.linear)")
     for w in weights:
         if w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() or w.dtype != x.dtype:
             raise ValueError(f"linear_gemv_group: weight {tuple(w.shape)} {w.dtype} does not take x "
                              f"{tuple(x.shape)} {x.dtype} (contiguous [N, K] of x's dtype)")
 
 
-def _launch_group(x, weights, biases, tile, num_warps, norm=None):
+def _launch_group(x, weights, biases, tile, num_warps, norm=None, use_dot=False):
     """norm: None, or (residual or None, norm weight, eps, summed output, normalized output or None): x is
-    normalized in the kernel."""
-    _check_group(x, weights)
+    normalized in the kernel. use_dot: the tensor-core form (rows padded to 16)."""
+    _check_group(x, weights, use_dot)
     rows, k = x.shape
-    block_n, block_k = tile or tile_for(rows, max(w.shape[0] for w in weights), k)
+    block_n, block_k = tile or (DOT_TILE if use_dot else tile_for(rows, max(w.shape[0] for w in weights), k))
     block_k = min(block_k, triton.next_power_of_2(k))
     outs = [torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     tiles = [triton.cdiv(w.shape[0], block_n) for w in weights]
@@ -180,27 +239,32 @@ def _launch_group(x, weights, biases, tile, num_warps, norm=None):
     _gemv_group_kernel[(sum(tiles),)](x, *args, tiles[0], tiles[0] + tiles[1], rows, k,
                                       residual if residual is not None else x, norm_weight, summed,
                                       normed if normed is not None else x, eps,
-                                      ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                                      HAS_BIAS=biases is not None, NORM=norm is not None,
-                                      HAS_ADD=residual is not None, STORE_NORMED=normed is not None,
-                                      num_warps=num_warps, **pdl(x.device))
+                                      ROWS=max(16 if use_dot else 1, triton.next_power_of_2(rows)),
+                                      BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
+                                      NORM=norm is not None, HAS_ADD=residual is not None,
+                                      STORE_NORMED=normed is not None, USE_DOT=use_dot,
+                                      DOT_FP32=not x.is_cuda or x.dtype == torch.float32, num_warps=num_warps,
+                                      **pdl(x.device))
     return tuple(outs)
 
 
 def linear_gemv_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Sequence[torch.Tensor] | None = None,
-                      tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
-    """x [M, K] times each weight [N_i, K] (+ bias_i): one launch. tile, num_warps: overrides (benchmarks)."""
-    return _launch_group(x.contiguous(), weights, biases, tile, num_warps)
+                      tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS,
+                      use_dot: bool = False) -> tuple[torch.Tensor, ...]:
+    """x [M, K] times each weight [N_i, K] (+ bias_i): one launch. tile, num_warps: overrides (benchmarks);
+    use_dot: the tensor-core form (up to DOT_ROWS_LIMIT rows)."""
+    return _launch_group(x.contiguous(), weights, biases, tile, num_warps, use_dot=use_dot)
 
 
 def add_rms_norm_gemv_group(residual: torch.Tensor, x: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                             weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None = None,
-                            tile: tuple[int, int] | None = None,
-                            num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                            tile: tuple[int, int] | None = None, num_warps: int = NUM_WARPS,
+                            use_dot: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """(residual + x, each weight times RMSNorm(residual + x)) in one launch; x None: no add (residual returned
     as it is). The norm weight is of the rows' dtype (the normalized rows are what the weights multiply)."""
-    summed, _, outs = _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, False)
+    summed, _, outs = _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, False,
+                                           use_dot)
     return summed, outs
 
 
@@ -214,20 +278,23 @@ def add_rms_norm_gemv(residual: torch.Tensor, x: torch.Tensor | None, norm_weigh
     return summed, normed, out
 
 
-def _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, store_normed: bool):
+def _add_rms_norm_launch(residual, x, norm_weight, eps, weights, biases, tile, num_warps, store_normed: bool,
+                         use_dot: bool = False):
     if norm_weight.shape != (residual.shape[-1],) or norm_weight.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm_gemv: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} "
                          f"does not take rows {tuple(residual.shape)} {residual.dtype}")
     residual = residual.contiguous()
     normed = torch.empty_like(residual) if store_normed else None
     if x is None:
-        outs = _launch_group(residual, weights, biases, tile, num_warps, (None, norm_weight, eps, residual, normed))
+        outs = _launch_group(residual, weights, biases, tile, num_warps, (None, norm_weight, eps, residual, normed),
+                             use_dot)
         return residual, normed, outs
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm_gemv: x {tuple(x.shape)} {x.dtype} != residual "
                          f"{tuple(residual.shape)} {residual.dtype}")
     summed = torch.empty_like(residual)
-    outs = _launch_group(x.contiguous(), weights, biases, tile, num_warps, (residual, norm_weight, eps, summed, normed))
+    outs = _launch_group(x.contiguous(), weights, biases, tile, num_warps, (residual, norm_weight, eps, summed, normed),
+                         use_dot)
     return summed, normed, outs
 
 

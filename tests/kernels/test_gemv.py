@@ -74,6 +74,34 @@ def test_add_rms_norm_in_front_of_the_gemv_group(rows, k, dtype, add):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("rows, dtype", [(5, torch.float32), (8, torch.bfloat16), (16, torch.float16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tensor_core_form_for_up_to_16_rows(rows, dtype, with_bias):
+    """use_dot: [BLOCK_N, BLOCK_K] weight tiles on tensor cores (float32 operands in the interpreter), the rows
+    padded to 16: the float32 product up to summation order, groups and the norm prologue included."""
+    k = 96  # not a multiple of the 128-column step: a masked tail
+    weights = [0.05 * _randn(n, k, dtype=dtype, seed=30 + n) for n in (40, 8, 8)]
+    biases = [_randn(w.shape[0], dtype=dtype, seed=40 + i) for i, w in enumerate(weights)] if with_bias else None
+    x = _randn(rows, k, dtype=dtype, seed=31)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    got = linear_gemv_group(x, weights, biases, use_dot=True)
+    for g, w, b in zip(got, weights, biases or [None] * 3):
+        torch.testing.assert_close(g.float(), linear_gemv_ref(x, w, b).float(), **tol)
+    residual = _randn(rows, k, dtype=dtype, seed=32)
+    norm_weight = (1 + 0.1 * _randn(k, seed=33)).to(dtype)
+    summed, outs = add_rms_norm_gemv_group(residual, x, norm_weight, 1e-6, weights, biases, use_dot=True)
+    want_summed, hidden = add_rms_norm(residual, x, norm_weight, 1e-6)
+    assert torch.equal(summed, want_summed)
+    for g, want in zip(outs, linear_gemv_group(hidden, weights, biases, use_dot=True)):
+        if DEVICE == "cpu":  # the same operands in the same order
+            assert torch.equal(g, want)
+        torch.testing.assert_close(g.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        linear_gemv_group(_randn(17, k, dtype=dtype), weights, use_dot=True)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        linear_gemv_group(_randn(9, k, dtype=dtype), weights)
+
+
 def test_add_rms_norm_gemv_group_refuses_a_norm_weight_of_another_dtype():
     residual = _randn(1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="norm weight"):
