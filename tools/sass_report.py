@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -31,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moegraph.kernels import nf4_gemv, nf4_moe
+from moegraph.kernels import moe_combine, nf4_gemv, nf4_moe
 from moegraph.kernels._nf4 import NF4Tensors, nf4_code
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -65,7 +66,9 @@ def _signature(kernel, args, kwargs):
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
-        elif isinstance(value, bool) or isinstance(value, int):
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
@@ -168,14 +171,18 @@ def moe_rows(tokens: int, configs: dict, dump: bool, only_gate_up: bool = False)
     x = torch.randn(tokens, H).bfloat16()
     index = torch.stack([torch.randperm(E, generator=gen)[:8] for _ in range(tokens)])
     weights = torch.rand(tokens, 8).bfloat16()
-    kernels = ("_gate_up_silu_nf4_kernel", "_down_nf4_kernel")
+    kernels = ("_gate_up_silu_nf4_kernel", "_down_nf4_kernel", "_down_combine_nf4_kernel")
     for label, cfg in configs.items():
-        launches = _record(nf4_moe, kernels, lambda: nf4_moe.fused_moe_experts_nf4(
-            x, index, weights, gate_up, down, code, lambda out, *a: out, cfg))
+        run = lambda cfg=cfg: nf4_moe.fused_moe_experts_nf4(x, index, weights, gate_up, down, code,  # noqa: E731
+                                                            nf4_moe.moe_combine, cfg)
+        # moe_combine's own kernel recorded too (not reported): nothing launches on this machine
+        launches = _record(nf4_moe, kernels, lambda: _record(moe_combine, ["_moe_combine_kernel"], run))
         for kernel_name in kernels[:1] if only_gate_up else kernels:
+            if not launches[kernel_name]:  # the down kernel with or without the combine
+                continue
             (args, kwargs), = launches[kernel_name]
             per_step = (2 if kernel_name.startswith("_gate") else 1) * kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
-            per_step *= kwargs["BLOCK_M"] if kwargs["USE_DOT"] else 1
+            per_step *= kwargs["BLOCK_M"] if kwargs.get("USE_DOT") else 1  # the combine kernel: one row
             yield report(f"experts T={tokens} {label}", getattr(nf4_moe, kernel_name), args, kwargs, per_step,
                          {"DOT_FP32": False, "EXACT_MUL": False}, dump)
 
@@ -200,17 +207,21 @@ def main(argv=None):
     parser.add_argument("--only", choices=("gate_up", "experts", "qkv"), help="one family of rows")
     parser.add_argument("--dump", action="store_true", help="print each kernel's main loop")
     args = parser.parse_args(argv)
-    M, L = nf4_moe.NF4MoEConfig, nf4_gemv.NF4LinearConfig
-    moe = {"default": M(), "lookup3": M(lookup=3), "x_pairs": M(x_pairs=True), "lookup3+x_pairs": M(lookup=3,
+    # the rows name every choice they make: the module defaults move once the GPU has timed them
+    M = functools.partial(nf4_moe.NF4MoEConfig, lookup=1, x_pairs=False, combine=False)
+    L = functools.partial(nf4_gemv.NF4LinearConfig, lookup=1, x_pairs=False)
+    moe = {"lookup1": M(), "lookup3": M(lookup=3), "x_pairs": M(x_pairs=True), "lookup3+x_pairs": M(lookup=3,
                                                                                                     x_pairs=True),
+           "lookup3+x_pairs+combine": M(lookup=3, x_pairs=True, combine=True),
            "thin 4/4 bk2048 w2 lookup3+x_pairs": M(gate_up_block_n=4, down_block_n=4, block_k=2048, num_warps=2,
                                                    lookup=3, x_pairs=True)}
-    linear = {"default": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True)}
+    linear = {"lookup1": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True)}
     print(f"sm_90 SASS from Triton {triton.__version__} (ptxas {BIN}), torch {torch.__version__}; bf16 activations; "
-          "per weight = loop instructions / (weights per step per thread)")
+          "per weight = loop instructions / (weights per step per thread); the module defaults now: experts "
+          f"lookup {nf4_moe.LOOKUP}, x_pairs {nf4_moe.X_PAIRS}, combine {nf4_moe.PAIR_COMBINE}")
     rows = []
     if args.only in (None, "gate_up", "experts"):
-        few = {k: moe[k] for k in ("default", "lookup3+x_pairs")}
+        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs")}
         rows += list(moe_rows(1, moe, args.dump, args.only == "gate_up"))
         rows += list(moe_rows(8, few, args.dump, args.only == "gate_up"))
     if args.only in (None, "qkv"):

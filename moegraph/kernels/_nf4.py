@@ -135,6 +135,16 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
                    experts, rows, cols, True)
 
 
+LOOKUPS = (0, 1, 2, 3)  # the forms of the code table (_nf4_codes)
+
+
+def check_lookup(op: str, lookup: int) -> int:
+    if lookup not in LOOKUPS:
+        raise InvalidArgumentError(f"{op}: lookup={lookup!r} is not one of {LOOKUPS} (the code table's forms: "
+                                   "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather)")
+    return lookup
+
+
 def pairs_readable(x: torch.Tensor, x_pairs: bool) -> bool:
     """X_PAIRS for a launch on activations x: asked for, and x starts on a 4-byte boundary (its rows then do too: K
     is even), so that its 32-bit pair loads are aligned (a view may start mid-word)."""

@@ -1,6 +1,6 @@
 """Decode-time MoE experts in three launches: group pairs into expert blocks, [gate_up GEMM + SwiGLU],
 [down GEMM]; the weighted combine is moe_combine. Up to PAIR_GEMV_MAX_TOKENS tokens, two launches and
-no grouping: one GEMV per (token, expert) pair.
+no grouping: one GEMV per (token, expert) pair (with PAIR_COMBINE the down GEMVs do moe_combine's sum too).
 
 fused_moe_experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up_proj [E, 2I, H],
 down_proj [E, H, I]) -> [T, H].
@@ -25,6 +25,7 @@ import torch
 
 from ._triton import pdl, pdl_wait, tl, triton
 from .moe_align import MAX_PAIRS  # noqa: F401  (callers check the pair count against it)
+from .moe_combine import moe_combine
 
 BLOCK_M = 16  # slots per block: the smallest tl.dot M; decode blocks rarely hold more pairs
 GATE_UP_BLOCK_N = 32  # 768 gate (+768 up) columns in 24 programs per block: 192 programs at batch 1
@@ -336,7 +337,7 @@ def fused_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
         raise ValueError("fused_moe_experts: expert weights must be contiguous [E, 2I, H] and [E, H, I]")
     x = hidden.to(gate_up_proj.dtype).contiguous()
     if hidden.shape[0] <= PAIR_GEMV_MAX_TOKENS:
-        if PAIR_COMBINE:
+        if PAIR_COMBINE and combine is moe_combine:  # its math, in the down kernel (another combine runs as given)
             return pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, top_k_weights=top_k_weights,
                                      out_dtype=hidden.dtype)
         return combine(pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj), None, top_k_weights,

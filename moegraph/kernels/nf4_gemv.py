@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
-                   nf4_code, pairs_readable)
+                   check_lookup, nf4_code, pairs_readable)
 from ._triton import pdl, pdl_wait, tl, triton
 from .gemv import row_inv_rms
 
@@ -195,7 +195,7 @@ def _launch_options(cfg: NF4LinearConfig, use_dot: bool, block_n: int) -> dict:
 def _resolve(config: Optional[NF4LinearConfig]) -> NF4LinearConfig:
     """The config of one call with its None choices that the module decides (LOOKUP, X_PAIRS) filled in now."""
     cfg = config or NF4LinearConfig()
-    return replace(cfg, lookup=LOOKUP if cfg.lookup is None else cfg.lookup,
+    return replace(cfg, lookup=check_lookup("nf4_linear", LOOKUP if cfg.lookup is None else cfg.lookup),
                    x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs)
 
 
@@ -278,8 +278,10 @@ def nf4_add_rms_norm_linear_group(residual: torch.Tensor, x: Optional[torch.Tens
                                   biases: Optional[Sequence[torch.Tensor]] = None):
     """(residual + x, nf4_linear_group(RMSNorm(residual + x), ...)) in one launch: the decoder layer's add and
     norm before attention run inside the q/k/v GEMV (gemv.add_rms_norm_gemv_group's NF4 twin, the same
-    roundings as kernels/rms_norm.py's add_rms_norm). x None: no add (residual comes back as it is). The norm
-    weight is of the rows' dtype, which is the GEMV's compute dtype."""
+    roundings as kernels/rms_norm.py's add_rms_norm; the sum of squares runs in BLOCK_K chunks, so on a GPU 1/RMS
+    may differ from the norm kernel's in its last bit and a normalized fp16 value by an ulp, as with the dense
+    GEMV's). x None: no add (residual comes back as it is). The norm weight is of the rows' dtype, which is the
+    GEMV's compute dtype."""
     op = "nf4_add_rms_norm_linear_group"
     if norm_weight.shape != (residual.shape[-1],) or norm_weight.dtype != residual.dtype:
         raise InvalidArgumentError(f"{op}: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not take "

@@ -1,4 +1,5 @@
-"""Decode-time MoE experts with NF4 weights: [gate_up GEMM + SwiGLU], [down GEMM], then moe_combine.
+"""Decode-time MoE experts with NF4 weights: [gate_up GEMM + SwiGLU], [down GEMM], then moe_combine (on the
+multiply-add path with PAIR_COMBINE: [down GEMM + combine] in one launch, the same bits).
 
 fused_moe_experts_nf4(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up NF4Tensors (E, 2I, H),
 down NF4Tensors (E, H, I), code float32 [16], combine) -> [T, H] in hidden.dtype (the compute dtype).
@@ -24,9 +25,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
-                   nf4_code, pairs_readable)
+                   check_lookup, nf4_code, pairs_readable)
 from ._triton import pdl, pdl_wait, tl, triton
 from .fused_moe import BLOCK_M, align_blocks
+from .moe_combine import moe_combine
 
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
            "fused_moe_experts_nf4_ref", "nf4_code"]
@@ -180,6 +182,13 @@ def _down_combine_nf4_kernel(act_ptr, expert_ptr, weights_ptr, out_ptr, w_ptr, a
     tl.store(out_ptr + token * hidden + n, out.to(dtype), mask=n_mask)
 
 
+def _launch_options(cfg: NF4MoEConfig, use_dot: bool, block_n: int, device) -> dict:
+    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
+    if cfg.num_stages is not None:
+        launch["num_stages"] = cfg.num_stages
+    return dict(launch, **pdl(device))
+
+
 def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim: int, top_k: int, dtype):
     tokens = top_k_weights.shape[0]
     out = torch.empty(tokens, hidden_dim, dtype=dtype, device=act.device)
@@ -188,7 +197,7 @@ def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim:
         dn.offset, code, hidden_dim, dn.cols // 2, dn.packed.stride(0), dn.absmax.stride(0), dn.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
         EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=cfg.lookup, X_PAIRS=pairs_readable(act, cfg.x_pairs),
-        num_warps=cfg.num_warps or NUM_WARPS, **pdl(out.device))
+        **_launch_options(cfg, False, cfg.down_block_n, out.device))
     return out
 
 
@@ -196,10 +205,7 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
     slot_token, block_expert, experts = routing
     if slot_token is None:  # pair order: the kernels never read the grouping
         slot_token = block_expert = experts
-    launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
-    if cfg.num_stages is not None:
-        launch["num_stages"] = cfg.num_stages
-    launch.update(pdl(out.device))
+    launch = _launch_options(cfg, use_dot, block_n, out.device)
     kernel[grid](
         inputs, slot_token, block_expert, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
@@ -235,7 +241,7 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
                                                                             else GATE_UP_BLOCK_N),
                               down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N),
-                              lookup=LOOKUP if cfg.lookup is None else cfg.lookup,
+                              lookup=check_lookup(op, LOOKUP if cfg.lookup is None else cfg.lookup),
                               x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs,
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
     if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2):
@@ -253,7 +259,7 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     act = torch.empty(slots, inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
     _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
             cfg.gate_up_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
-    if not use_dot and cfg.combine:
+    if not use_dot and cfg.combine and combine is moe_combine:  # its math, in the down kernel (another combine runs)
         return _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim, top_k, hidden.dtype)
     out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,

@@ -334,6 +334,13 @@ def test_wrong_inputs_raise_with_what_was_found():
         nf4_linear(x[:, :64], w.packed, w.absmax, nf4_code(DEVICE), 32, 128)
     with pytest.raises(InvalidArgumentError, match="nested NF4 needs"):
         nf4_linear(x, w.packed, w.absmax.to(torch.uint8), nf4_code(DEVICE), 32, 128, nested_code=torch.zeros(256))
+    with pytest.raises(InvalidArgumentError, match="lookup=7 is not one of"):
+        nf4_linear(x, w.packed, w.absmax, nf4_code(DEVICE), 32, 128, config=NF4LinearConfig(lookup=7))
+    experts = _random_nf4(2, 64, 128, nested=False, seed=12)
+    with pytest.raises(InvalidArgumentError, match="lookup=5 is not one of"):
+        fused_moe_experts_nf4(x, torch.zeros(1, 1, dtype=torch.long, device=DEVICE), torch.ones(1, 1, device=DEVICE),
+                              experts, _random_nf4(2, 128, 32, nested=False, seed=13), nf4_code(DEVICE), moe_combine,
+                              NF4MoEConfig(lookup=5))
 
 
 @pytest.mark.parametrize("nested", [False, True])
