@@ -58,9 +58,11 @@ def test_every_pdl_kernel_waits_before_it_touches_memory_an_earlier_kernel_wrote
 def test_the_gemv_waits_before_it_reads_x_and_after_loading_only_weights():
     from moegraph.kernels import gemv
 
-    source = inspect.getsource(gemv._gemv_tile.fn)
-    before_wait = source[:source.index("pdl_wait(USE_PDL)")]
-    assert "w_rows" in before_wait and "x_ptr +" not in before_wait and "tl.store" not in before_wait
+    for form, loads_weights_first in ((gemv._gemv_tile_fma, True), (gemv._gemv_tile_dot, False)):
+        source = inspect.getsource(form.fn)
+        before_wait = source[:source.index("pdl_wait(USE_PDL)")]
+        assert "x_ptr +" not in before_wait and "tl.store" not in before_wait and "tl.dot" not in before_wait
+        assert ("tl.load(w_rows" in before_wait) == loads_weights_first
 
 
 def test_pdl_status_says_why_not(monkeypatch):
