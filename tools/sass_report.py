@@ -206,6 +206,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=("gate_up", "experts", "qkv"), help="one family of rows")
     parser.add_argument("--dump", action="store_true", help="print each kernel's main loop")
+    parser.add_argument("--configs", help="comma-separated row names to keep (e.g. lookup1,lookup3+x_pairs)")
     args = parser.parse_args(argv)
     # the rows name every choice they make: the module defaults move once the GPU has timed them
     M = functools.partial(nf4_moe.NF4MoEConfig, lookup=1, x_pairs=False, combine=False)
@@ -216,12 +217,15 @@ def main(argv=None):
            "thin 4/4 bk2048 w2 lookup3+x_pairs": M(gate_up_block_n=4, down_block_n=4, block_k=2048, num_warps=2,
                                                    lookup=3, x_pairs=True)}
     linear = {"lookup1": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True)}
+    if args.configs:
+        keep = set(args.configs.split(","))
+        moe, linear = ({k: v for k, v in table.items() if k in keep} for table in (moe, linear))
     print(f"sm_90 SASS from Triton {triton.__version__} (ptxas {BIN}), torch {torch.__version__}; bf16 activations; "
           "per weight = loop instructions / (weights per step per thread); the module defaults now: experts "
           f"lookup {nf4_moe.LOOKUP}, x_pairs {nf4_moe.X_PAIRS}, combine {nf4_moe.PAIR_COMBINE}")
     rows = []
     if args.only in (None, "gate_up", "experts"):
-        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs")}
+        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs") if k in moe}
         rows += list(moe_rows(1, moe, args.dump, args.only == "gate_up"))
         rows += list(moe_rows(8, few, args.dump, args.only == "gate_up"))
     if args.only in (None, "qkv"):

@@ -183,13 +183,14 @@ def test_fused_moe_experts(tokens, top_k, experts, hidden, inter):
     torch.testing.assert_close(got, want, atol=tol, rtol=10 * tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k", [(1, 8), (3, 2)])
-def test_pair_down_and_combine_in_one_launch_give_the_same_bits(dtype, tokens, top_k):
+@pytest.mark.parametrize("dtype, tokens, top_k", [(torch.bfloat16, 1, 8), (torch.float32, 3, 2)])
+def test_pair_down_and_combine_in_one_launch_give_the_same_bits(monkeypatch, dtype, tokens, top_k):
     """The pair path with the combine fused into its down GEMVs equals the two launches (down, then moe_combine)
     bit for bit, through fused_moe_experts (PAIR_COMBINE on and off) and pair_gemv_experts itself."""
     from moegraph.kernels import fused_moe, moe_combine
 
+    if DEVICE == "cpu":  # wider tiles: fewer interpreter programs, the same code
+        monkeypatch.setattr(fused_moe, "PAIR_BLOCK_N", 16)
     gen = torch.Generator().manual_seed(31 + tokens)
     experts, hidden, inter = 16, 64, 96
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).to(DEVICE, dtype)

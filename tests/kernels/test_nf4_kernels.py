@@ -207,8 +207,7 @@ def test_every_code_lookup(lookup, use_dot):
     assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)) < 2e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_n", [2, 8])
+@pytest.mark.parametrize("dtype, block_n", [(torch.float16, 8), (torch.bfloat16, 2), (torch.float32, 8)])
 def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     """x_pairs (16-bit x read as 32-bit pairs in the weight tile's layout) changes how x reaches the products, not
     the products or their order: the outputs equal the default loads' bit for bit, for the NF4 GEMV (plain and
