@@ -77,6 +77,9 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
                                          lookup=3, x_pairs=True),
     "fma 4/4 bk1024 w2 pairs": C(use_dot=False, gate_up_block_n=4, down_block_n=4, block_k=1024, num_warps=2,
                                  x_pairs=True),
+    "fma lookup3 pairs combine": C(use_dot=False, lookup=3, x_pairs=True, combine=True),
+    # tensor cores (each expert dequantized once per step, not once per pair) below DOT_MIN_TOKENS too
+    "dot lookup3": C(use_dot=True, lookup=3),
 }
 
 
@@ -230,6 +233,9 @@ def check_graph_replay(gen):
                                                         offset=w.offset),
         "fused_moe_nf4 fma": lambda: fused_moe_experts_nf4(xm, index, weights, gate_up, down, code, moe_combine,
                                                            NF4MoEConfig(use_dot=False)),
+        "fused_moe_nf4 fma lookup3 pairs combine": lambda: fused_moe_experts_nf4(
+            xm, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(use_dot=False, lookup=3, x_pairs=True,
+                                                                               combine=True)),
         "fused_moe_nf4 dot": lambda: fused_moe_experts_nf4(xm, index, weights, gate_up, down, code, moe_combine,
                                                            NF4MoEConfig(use_dot=True)),
     }
