@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moegraph.kernels import moe_combine, nf4_gemv, nf4_moe
+from moegraph.kernels import fused_moe, moe_combine, nf4_gemv, nf4_moe
 from moegraph.kernels._nf4 import NF4Tensors, nf4_code
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -175,14 +175,15 @@ def moe_rows(tokens: int, configs: dict, dump: bool, only_gate_up: bool = False)
     for label, cfg in configs.items():
         run = lambda cfg=cfg: nf4_moe.fused_moe_experts_nf4(x, index, weights, gate_up, down, code,  # noqa: E731
                                                             nf4_moe.moe_combine, cfg)
-        # moe_combine's own kernel recorded too (not reported): nothing launches on this machine
-        launches = _record(nf4_moe, kernels, lambda: _record(moe_combine, ["_moe_combine_kernel"], run))
+        # the grouping's and moe_combine's kernels recorded too (not reported): nothing launches on this machine
+        launches = _record(nf4_moe, kernels, lambda: _record(
+            fused_moe, ["_align_blocks_kernel", "_align_blocks_histogram_kernel"],
+            lambda: _record(moe_combine, ["_moe_combine_kernel"], run)))
         for kernel_name in kernels[:1] if only_gate_up else kernels:
             if not launches[kernel_name]:  # the down kernel with or without the combine
                 continue
             (args, kwargs), = launches[kernel_name]
             per_step = (2 if kernel_name.startswith("_gate") else 1) * kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
-            per_step *= kwargs["BLOCK_M"] if kwargs.get("USE_DOT") else 1  # the combine kernel: one row
             yield report(f"experts T={tokens} {label}", getattr(nf4_moe, kernel_name), args, kwargs, per_step,
                          {"DOT_FP32": False, "EXACT_MUL": False}, dump)
 
