@@ -98,6 +98,29 @@ def row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_
 
 
 @triton.jit
+def _rows_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, NORM: tl.constexpr,
+                  HAS_ADD: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """1 / RMS of the rows with NORM (row_inv_rms), else zeros (never read)."""
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
+    return inv_rms
+
+
+@triton.jit
+def _input_step(x_ptr, res_ptr, nw_ptr, normed_ptr, inv_rms, rows, row_mask, ks, k_mask, K, WRITE_SUM,
+                NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr):
+    """The GEMV's input rows at columns ks ([ROWS, BLOCK_K]), normalized with NORM; with STORE_NORMED program 0
+    also writes them out (what the experts read after the router's GEMV)."""
+    x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
+    if STORE_NORMED:
+        if WRITE_SUM:
+            tl.store(normed_ptr + rows[:, None] * K + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
+    return x
+
+
+@triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr, sum_ptr, normed_ptr, eps, WRITE_SUM,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                NORM: tl.constexpr, HAS_ADD: tl.constexpr, STORE_NORMED: tl.constexpr, USE_PDL: tl.constexpr,
@@ -125,18 +148,13 @@ def _gemv_tile_dot(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr,
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
+    inv_rms = _rows_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, NORM, HAS_ADD, BLOCK_K, ROWS)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
-        if STORE_NORMED:
-            if WRITE_SUM:
-                tl.store(normed_ptr + rows[:, None] * K + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
+        x = _input_step(x_ptr, res_ptr, nw_ptr, normed_ptr, inv_rms, rows, row_mask, ks, k_mask, K, WRITE_SUM, NORM,
+                        HAS_ADD, STORE_NORMED)
         if DOT_FP32:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -162,17 +180,12 @@ def _gemv_tile_fma(x_ptr, w_ptr, b_ptr, out_ptr, tile, M, N, K, res_ptr, nw_ptr,
     # the first weight step is loaded before waiting for x: the weights are no earlier kernel's output
     w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
     pdl_wait(USE_PDL)
-    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, HAS_ADD, BLOCK_K, ROWS)
+    inv_rms = _rows_inv_rms(x_ptr, res_ptr, sum_ptr, rows, row_mask, K, eps, WRITE_SUM, NORM, HAS_ADD, BLOCK_K, ROWS)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _normed_rows(x, res_ptr, nw_ptr, inv_rms, rows, ks, row_mask, k_mask, K, NORM, HAS_ADD)
-        if STORE_NORMED:
-            if WRITE_SUM:
-                tl.store(normed_ptr + rows[:, None] * K + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
+        x = _input_step(x_ptr, res_ptr, nw_ptr, normed_ptr, inv_rms, rows, row_mask, ks, k_mask, K, WRITE_SUM, NORM,
+                        HAS_ADD, STORE_NORMED)
         next_ks = ks + BLOCK_K  # all masked off after the last step
         next_w = tl.load(w_rows + next_ks[None, :], mask=col_mask[:, None] & (next_ks < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
