@@ -80,6 +80,8 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma lookup3 pairs combine": C(use_dot=False, lookup=3, x_pairs=True, combine=True),
     # tensor cores (each expert dequantized once per step, not once per pair) below DOT_MIN_TOKENS too
     "dot lookup3": C(use_dot=True, lookup=3),
+    # 8 warps: the gate_up tile's registers without spills (4 warps: 122 spill instructions, tools/sass_report.py)
+    "dot 64/64 w8 lookup3": C(use_dot=True, gate_up_block_n=64, down_block_n=64, num_warps=8, lookup=3),
 }
 
 
