@@ -6,7 +6,7 @@ default changes only after this has timed it.
     python benchmarks/ab_decode.py --num-layers 12 --switches pair_combine,nf4_x_pairs --batch-sizes 1
 
 Switches (each a module-level choice that a new patch's captures read):
-- fuse_norms: the norms before attention and the router inside the GEMVs after them (the op table's fuse_norms);
+- fuse_norms: the norms before attention and the router inside the GEMVs after them (ops.FUSE_NORMS);
 - pair_combine: the pair path's down GEMVs and the weighted combine in one launch (fused_moe.PAIR_COMBINE, and
   nf4_moe.PAIR_COMBINE for the NF4 multiply-add path);
 - gemv_dot: dense q/k/v (with its norm) and o_proj at 5-16 rows through the GEMV's tensor-core form instead of
@@ -24,17 +24,13 @@ import torch
 
 from _decode import ab_table, decode, same_tokens
 from moegraph import ops
-from moegraph.cuda_graph import decoder
 from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
 
-_OPS_FOR_MODEL = decoder.ops_for_model
-
-
 def _fuse_norms(on: bool) -> None:
-    decoder.ops_for_model = lambda model, backend="auto": _OPS_FOR_MODEL(model, backend, fuse_norms=on)
+    ops.FUSE_NORMS = on
 
 
 def _pair_combine(on: bool) -> None:

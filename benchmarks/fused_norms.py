@@ -13,17 +13,13 @@ import torch
 import moegraph
 from _decode import ab_table, decode, same_tokens
 from moegraph import ops
-from moegraph.cuda_graph import decoder
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
 
-_OPS_FOR_MODEL = decoder.ops_for_model
-
-
 def _fuse(on: bool) -> None:
     """The decoder's op table with the norms fused (the default) or not; each patch builds its decoder anew."""
-    decoder.ops_for_model = lambda model, backend="auto": _OPS_FOR_MODEL(model, backend, fuse_norms=on)
+    ops.FUSE_NORMS = on
 
 
 def step_profile(model, batch_size: int, on: bool):

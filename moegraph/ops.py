@@ -33,6 +33,7 @@ DENSE = "dense"  # expert or projection weights as plain tensors in the compute 
 NF4 = "nf4"  # experts in moegraph's NF4 format (moegraph/quant)
 LINEAR4BIT = "linear4bit"  # projections as bitsandbytes Linear4bit
 KERNEL_CHOICES = ("auto", "triton", "torch")
+FUSE_NORMS = True  # the norms before attention and the router inside the GEMVs after them (ops_for_model's default)
 
 
 @dataclass(frozen=True)
@@ -390,8 +391,10 @@ def _first_experts(model: nn.Module) -> nn.Module | None:
 
 
 def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto",
-                  fuse_norms: bool = True) -> OpTable:
-    """The table for a model's decode step, from its device, expert dtype and weight formats."""
+                  fuse_norms: bool | None = None) -> OpTable:
+    """The table for a model's decode step, from its device, expert dtype and weight formats. fuse_norms None:
+    FUSE_NORMS (what a benchmark's A/B switches for every decoder built after it)."""
+    fuse_norms = FUSE_NORMS if fuse_norms is None else fuse_norms
     config = model.config.get_text_config()  # a vision-language model's decoder config is nested
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     experts = _first_experts(model)

@@ -207,3 +207,43 @@ def test_first_token_clock_times_the_prefill_inside_the_same_generate_call():
     first = clock.at
     scores = torch.randn(2, 8)
     assert clock(None, scores) is scores and clock.at == first  # later steps leave scores and the time alone
+
+
+def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
+    """benchmarks/ab_decode.py's switches: each setter moves the module choices it claims (a renamed constant
+    would leave an A/B that times the same code twice), and the defaults it restores are the modules' own."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    from moegraph import ops
+    from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe
+
+    benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # ab_decode imports _decode from its folder
+    spec = importlib.util.spec_from_file_location("ab_decode", benchmarks / "ab_decode.py")
+    ab_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_decode)
+    monkeypatch.delitem(sys.modules, "_decode", raising=False)
+    watched = {"fuse_norms": lambda: ops.FUSE_NORMS, "pair_combine": lambda: (fused_moe.PAIR_COMBINE,
+                                                                                    nf4_moe.PAIR_COMBINE),
+               "gemv_dot": lambda: gemv.DOT_MAX_ROWS, "align_histogram": lambda: fused_moe.ALIGN_METHOD,
+               "nf4_lookup3": lambda: (nf4_moe.LOOKUP, nf4_gemv.LOOKUP),
+               "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS)}
+    assert set(watched) == set(ab_decode.SWITCHES)
+    for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
+                              ("align_histogram", (fused_moe, "ALIGN_METHOD")), ("nf4_lookup3", (nf4_moe, "LOOKUP")),
+                              ("nf4_x_pairs", (nf4_moe, "X_PAIRS"))):
+        monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
+    monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
+    monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
+    monkeypatch.setattr(nf4_gemv, "X_PAIRS", nf4_gemv.X_PAIRS)
+    monkeypatch.setattr(ops, "FUSE_NORMS", ops.FUSE_NORMS)
+    for name, (setter, default, _) in ab_decode.SWITCHES.items():
+        setter(False)
+        off = watched[name]()
+        setter(True)
+        on = watched[name]()
+        assert on != off, name
+        setter(default)
+        assert watched[name]() == (on if default else off), name
