@@ -26,8 +26,10 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $out/NAM
 
 case "${1:-}" in
 tests)  # kernels on CUDA, graph == eager bit for bit (bf16, NF4, every family), robustness, prefill graphs
-    step 560 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_generate_cuda.py \
-        tests/test_nf4_cuda.py tests/models/test_families_cuda.py tests/test_robustness_cuda.py
+    step 300 gpu_tests_kernels python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/test_generate_cuda.py \
+        tests/test_nf4_cuda.py
+    step 260 gpu_tests_models python3 -m pytest -q -p no:cacheprovider -rf tests/models/test_families_cuda.py \
+        tests/test_robustness_cuda.py
     ;;
 kernels)  # kernel-level timings behind the defaults that wait on one: NF4 tiles / lookup / x pairs, grouping
     step 240 nf4_kernels python3 benchmarks/nf4_kernels.py
