@@ -8,6 +8,16 @@ import moegraph
 from moegraph.testing import random_prompts
 
 
+def decode_arguments(parser, batch_sizes: str = "1,8"):
+    """The flags every decode A/B script takes: layers, new tokens, batch sizes, runs, --no-nf4."""
+    parser.add_argument("--num-layers", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default=batch_sizes)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-nf4", action="store_true")
+    return parser
+
+
 def decode(model, batch_size: int, new_tokens: int, runs: int):
     """(median decode ms/step, tokens on the CPU, the last call's decode_stats) of `runs` greedy calls after a warm
     one, on fixed prompts of 16-128 tokens."""

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from _decode import ab_table, decode, same_tokens
+from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
 from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe
 from moegraph.quant.experts import quantize_experts
@@ -66,13 +66,8 @@ def _set_all(names, on: bool) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--num-layers", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--runs", type=int, default=3)
+    parser = decode_arguments(argparse.ArgumentParser())
     parser.add_argument("--switches", default=",".join(SWITCHES))
-    parser.add_argument("--no-nf4", action="store_true")
     args = parser.parse_args()
     names = args.switches.split(",")
     unknown = set(names) - set(SWITCHES)

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import moegraph
-from _decode import ab_table, decode, same_tokens
+from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
@@ -34,12 +34,7 @@ def step_profile(model, batch_size: int, on: bool):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--num-layers", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,2,4,8")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--no-nf4", action="store_true")
+    parser = decode_arguments(argparse.ArgumentParser(), batch_sizes="1,2,4,8")
     args = parser.parse_args()
     model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
     print(ops.ops_for_model(model).describe())

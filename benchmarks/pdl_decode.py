@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from _decode import ab_table, decode
+from _decode import ab_table, decode, decode_arguments
 from moegraph.kernels import _triton
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
@@ -24,12 +24,7 @@ def _set_pdl(on: bool) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--num-layers", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--no-nf4", action="store_true")
+    parser = decode_arguments(argparse.ArgumentParser())
     args = parser.parse_args()
     print(f"PDL supported by this Triton: {_triton._HAVE_GDC}; {torch.cuda.get_device_name()}")
     model = build_model("qwen3-30b-a3b", num_layers=args.num_layers, device="cuda", dtype=torch.bfloat16)
