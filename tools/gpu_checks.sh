@@ -2,14 +2,18 @@
 # The GPU checks a session owes what was written since the last one, in stages that each fit one device call
 # (10 minutes; a session has 30 of device time). Logs and JSON go to $OUT (the device tool brings them back).
 #
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh tests     # ~5 min: every GPU test
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh kernels   # ~9 min: kernel timings (NF4 tiles, ...)
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh ab        # ~8 min: the untimed switches, decode A/B
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh bench     # ~9 min: the tables of BENCHMARKS.md
+#   source .device-carry/activate.sh && bash tools/gpu_checks.sh STAGE...
 #
-# A session's 30 minutes of device time hold three stages (tests first; a stage starts a machine if none is warm).
-# A stage goes on after a failing step (each step's exit status is printed) and bounds each step with timeout, so
-# one slow step cannot cost the others their output.
+#   kernel_tests  ~5 min  kernels on CUDA, graph == eager (bf16, NF4), prefill graphs
+#   model_tests   ~4 min  every family's graph == eager, robustness          (tests = both)
+#   bench_decode  ~5 min  decode 1/8/32/64 beside transformers, first token   (bench = both)
+#   bench_quant   ~4 min  NF4 against bf16, long generation
+#   ab            ~9 min  the untimed switches, decode A/B
+#   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
+#
+# Stages named together run in one call (keep a call under its 10 minutes): with little device time,
+# `kernel_tests bench_decode` first. A stage goes on after a failing step (each step's exit status is printed) and
+# bounds each step with timeout, so one slow step cannot cost the others their output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_checks}
@@ -24,33 +28,44 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $out/NAM
     echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
 
-case "${1:-}" in
-tests)  # kernels on CUDA, graph == eager bit for bit (bf16, NF4, every family), robustness, prefill graphs
-    step 300 gpu_tests_kernels python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/test_generate_cuda.py \
-        tests/test_nf4_cuda.py
-    step 260 gpu_tests_models python3 -m pytest -q -p no:cacheprovider -rf tests/models/test_families_cuda.py \
-        tests/test_robustness_cuda.py
-    ;;
-kernels)  # kernel-level timings behind the defaults that wait on one: NF4 tiles / lookup / x pairs, grouping
-    step 240 nf4_kernels python3 benchmarks/nf4_kernels.py
-    step 200 align_blocks python3 benchmarks/align_blocks.py --num-layers 48 --runs 2
-    step 120 fused_norms python3 benchmarks/fused_norms.py --num-layers 48 --batch-sizes 1 --runs 2 --no-nf4
-    ;;
-ab)  # decode ms/step of each switch that waits on a timing, off and on, bf16 and NF4 (benchmarks/ab_decode.py)
-    step 570 ab_decode python3 benchmarks/ab_decode.py --num-layers 48 --batch-sizes 1,8 --runs 2
-    ;;
-bench)  # issue 11 (decode, first token, long generation) and issue 8 (NF4 against bf16), beside transformers
-    step 260 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8,32,64 --runs 3 \
-        --total-budget-s 240 --out "$out"
-    step 120 bench_ttft python3 -m moegraph bench --ttft 16,128,512 --backends hf,moegraph,moegraph_prefill \
-        --batch-sizes 1,8 --runs 3 --total-budget-s 100 --out "$out"
-    step 170 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
-        --total-budget-s 150 --out "$out"
-    step 90 bench_long python3 -m moegraph bench --long 32,256,1024 --backends moegraph --runs 1 \
-        --total-budget-s 80 --out "$out"
-    ;;
-*)
-    echo "usage: $0 tests|kernels|ab|bench" >&2
-    exit 2
-    ;;
-esac
+stage() {
+    case "$1" in
+    kernel_tests)  # kernels on CUDA, graph == eager bit for bit (bf16, NF4), prefill graphs
+        step 280 gpu_tests_kernels python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/test_generate_cuda.py \
+            tests/test_nf4_cuda.py
+        ;;
+    model_tests)  # every family's graph == eager, robustness
+        step 260 gpu_tests_models python3 -m pytest -q -p no:cacheprovider -rf tests/models/test_families_cuda.py \
+            tests/test_robustness_cuda.py
+        ;;
+    tests) stage kernel_tests; stage model_tests ;;
+    kernels)  # kernel-level timings behind the defaults that wait on one: NF4 tiles / lookup / x pairs, grouping
+        step 240 nf4_kernels python3 benchmarks/nf4_kernels.py
+        step 200 align_blocks python3 benchmarks/align_blocks.py --num-layers 48 --runs 2
+        step 120 fused_norms python3 benchmarks/fused_norms.py --num-layers 48 --batch-sizes 1 --runs 2 --no-nf4
+        ;;
+    ab)  # decode ms/step of each switch that waits on a timing, off and on, bf16 and NF4 (benchmarks/ab_decode.py)
+        step 570 ab_decode python3 benchmarks/ab_decode.py --num-layers 48 --batch-sizes 1,8 --runs 2
+        ;;
+    bench_decode)  # issue 11: decode beside transformers, first token with and without prefill graphs
+        step 150 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8,32,64 --runs 3 \
+            --total-budget-s 140 --out "$out"
+        step 110 bench_ttft python3 -m moegraph bench --ttft 16,128,512 --backends hf,moegraph,moegraph_prefill \
+            --batch-sizes 1,8 --runs 3 --total-budget-s 95 --out "$out"
+        ;;
+    bench_quant)  # issue 8 (NF4 against bf16), long generation
+        step 170 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+            --total-budget-s 150 --out "$out"
+        step 90 bench_long python3 -m moegraph bench --long 32,256,1024 --backends moegraph --runs 1 \
+            --total-budget-s 80 --out "$out"
+        ;;
+    bench) stage bench_decode; stage bench_quant ;;
+    *)
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench)" >&2
+        exit 2
+        ;;
+    esac
+}
+
+[ $# -gt 0 ] || stage usage
+for name in "$@"; do stage "$name"; done
