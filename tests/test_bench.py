@@ -217,7 +217,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     import sys
 
     from moegraph import ops
-    from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe
+    from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, router_topk
 
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # ab_decode imports _decode from its folder
@@ -227,11 +227,13 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     monkeypatch.delitem(sys.modules, "_decode", raising=False)
     watched = {"fuse_norms": lambda: ops.FUSE_NORMS, "pair_combine": lambda: (fused_moe.PAIR_COMBINE,
                                                                                     nf4_moe.PAIR_COMBINE),
-               "gemv_dot": lambda: gemv.DOT_MAX_ROWS, "align_histogram": lambda: fused_moe.ALIGN_METHOD,
+               "gemv_dot": lambda: gemv.DOT_MAX_ROWS, "router_one_warp": lambda: router_topk.ROUTER_WARPS,
+               "align_histogram": lambda: fused_moe.ALIGN_METHOD,
                "nf4_lookup3": lambda: (nf4_moe.LOOKUP, nf4_gemv.LOOKUP),
                "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
+                              ("router_one_warp", (router_topk, "ROUTER_WARPS")),
                               ("align_histogram", (fused_moe, "ALIGN_METHOD")), ("nf4_lookup3", (nf4_moe, "LOOKUP")),
                               ("nf4_x_pairs", (nf4_moe, "X_PAIRS"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test

@@ -13,6 +13,11 @@ import torch
 
 from ._triton import pdl, pdl_wait, tl, triton
 
+# One warp: the 4k + 2 reductions of a row are warp shuffles only. With Triton's default 4 warps each one also
+# crosses warps through shared memory, 53 barriers in all for 128 experts and top 8 (sm_90 SASS, Triton 3.6), in a
+# kernel of one program per row whose time at batch 1 is that chain of reductions. Not yet timed on a GPU.
+ROUTER_WARPS = 1
+
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, index_ptr, num_experts, TOP_K: tl.constexpr,
@@ -51,7 +56,8 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool, weights_dtype
     weights = torch.empty(tokens, top_k, dtype=weights_dtype or logits.dtype, device=logits.device)
     index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     _router_topk_kernel[(tokens,)](logits, weights, index, num_experts, TOP_K=top_k, NORMALIZE=normalize,
-                                   BLOCK=triton.next_power_of_2(num_experts), **pdl(logits.device))
+                                   BLOCK=triton.next_power_of_2(num_experts), num_warps=ROUTER_WARPS,
+                                   **pdl(logits.device))
     return weights, index
 
 
