@@ -11,13 +11,13 @@ Switches (each a module-level choice that a new patch's captures read):
   nf4_moe.PAIR_COMBINE for the NF4 multiply-add path);
 - gemv_dot: dense q/k/v (with its norm) and o_proj at 5-16 rows through the GEMV's tensor-core form instead of
   cuBLAS (gemv.DOT_MAX_ROWS);
-- router_one_warp: the router's softmax top-k kernel in one warp instead of Triton's default 4
-  (router_topk.ROUTER_WARPS);
+- one_warp: the router's softmax top-k and the q/k norm + RoPE kernels in one warp a program instead of Triton's
+  default 4 (router_topk.ROUTER_WARPS, qk_norm_rope.NUM_WARPS);
 - align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
 - nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
   weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only.
-Tokens are compared with the switch off: fused norms, tensor cores, the router's warps and grouping may flip a near-tie (another
-summation order); pair_combine, lookup3 and x_pairs give the same bits.
+Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
+flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import torch
 
 from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
-from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, router_topk
+from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
@@ -43,8 +43,8 @@ def _gemv_dot(on: bool) -> None:
     gemv.DOT_MAX_ROWS = gemv.DOT_ROWS_LIMIT if on else 0
 
 
-def _router_one_warp(on: bool) -> None:
-    router_topk.ROUTER_WARPS = 1 if on else 4
+def _one_warp(on: bool) -> None:
+    router_topk.ROUTER_WARPS = qk_norm_rope.NUM_WARPS = 1 if on else 4
 
 
 def _align_histogram(on: bool) -> None:
@@ -61,7 +61,7 @@ def _nf4_x_pairs(on: bool) -> None:
 
 # name -> (setter, default state, NF4 rows only)
 SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
-            "gemv_dot": (_gemv_dot, False, False), "router_one_warp": (_router_one_warp, True, False),
+            "gemv_dot": (_gemv_dot, False, False), "one_warp": (_one_warp, True, False),
             "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
             "nf4_x_pairs": (_nf4_x_pairs, False, True)}
 

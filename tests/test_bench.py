@@ -217,7 +217,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     import sys
 
     from moegraph import ops
-    from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, router_topk
+    from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # ab_decode imports _decode from its folder
@@ -227,13 +227,14 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     monkeypatch.delitem(sys.modules, "_decode", raising=False)
     watched = {"fuse_norms": lambda: ops.FUSE_NORMS, "pair_combine": lambda: (fused_moe.PAIR_COMBINE,
                                                                                     nf4_moe.PAIR_COMBINE),
-               "gemv_dot": lambda: gemv.DOT_MAX_ROWS, "router_one_warp": lambda: router_topk.ROUTER_WARPS,
+               "gemv_dot": lambda: gemv.DOT_MAX_ROWS,
+               "one_warp": lambda: (router_topk.ROUTER_WARPS, qk_norm_rope.NUM_WARPS),
                "align_histogram": lambda: fused_moe.ALIGN_METHOD,
                "nf4_lookup3": lambda: (nf4_moe.LOOKUP, nf4_gemv.LOOKUP),
                "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
-                              ("router_one_warp", (router_topk, "ROUTER_WARPS")),
+                              ("one_warp", (router_topk, "ROUTER_WARPS")),
                               ("align_histogram", (fused_moe, "ALIGN_METHOD")), ("nf4_lookup3", (nf4_moe, "LOOKUP")),
                               ("nf4_x_pairs", (nf4_moe, "X_PAIRS"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
@@ -241,6 +242,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
     monkeypatch.setattr(nf4_gemv, "X_PAIRS", nf4_gemv.X_PAIRS)
     monkeypatch.setattr(ops, "FUSE_NORMS", ops.FUSE_NORMS)
+    monkeypatch.setattr(qk_norm_rope, "NUM_WARPS", qk_norm_rope.NUM_WARPS)
     for name, (setter, default, _) in ab_decode.SWITCHES.items():
         setter(False)
         off = watched[name]()

@@ -16,6 +16,10 @@ import torch
 from ._triton import pdl, pdl_wait, tl, triton
 
 
+# One warp a (row, head) program: a head's halves (64 values at head_dim 128) are normed with warp shuffles alone,
+# where Triton's default 4 warps add 10 shared-memory barriers (sm_90 SASS, Triton 3.6). Not yet timed on a GPU.
+NUM_WARPS = 1
+
 @triton.jit
 def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
     out_dtype = xa.dtype
@@ -107,7 +111,7 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, va
     _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
         q, k, v, q_weight, k_weight, cos, sin, positions, positions if cache_rows is None else cache_rows, q_out,
         key_cache, value_cache, q_heads, kv_heads, key_cache.stride(0), key_cache.stride(1), eps, HEAD_DIM=head_dim,
-        NORM=norm, CACHE_ROWS=cache_rows is not None, **pdl(q.device))
+        NORM=norm, CACHE_ROWS=cache_rows is not None, num_warps=NUM_WARPS, **pdl(q.device))
     return q_out
 
 
