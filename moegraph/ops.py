@@ -254,15 +254,21 @@ def _nf4_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch.T
                            attn: nn.Module):
     """add + RMSNorm + the q/k/v Linear4bit projections in one NF4 GEMV launch (nf4_gemv's
     nf4_add_rms_norm_linear_group) where _nf4_gemv_qkv would take them in one launch, the projections compute
-    in the rows' dtype and the norm weight is of it, up to gemv.NORM_MAX_ROWS rows; otherwise `unfused`."""
+    in the rows' dtype (or float32 at one row) and the norm weight is of it, up to gemv.NORM_MAX_ROWS rows;
+    otherwise `unfused`."""
+    from .kernels.nf4_gemv import DOT_MIN_M, NF4Tensors, nf4_add_rms_norm_linear_group
+
     modules = (attn.q_proj, attn.k_proj, attn.v_proj)
     states = [_gemv_state(m, residual) for m in modules]
     with_bias = {m.bias is not None for m in modules}
+    # Below DOT_MIN_M rows the GEMV multiplies exact float32 weights and sums in float32 whatever the compute
+    # dtype, so float32 (BitsAndBytesConfig's default) changes only the input's type, exactly, and the output's:
+    # rounded once to the rows' dtype either way.
+    computes = {residual.dtype, torch.float32} if residual.shape[0] < DOT_MIN_M else {residual.dtype}
     if (residual.shape[0] > gemv.NORM_MAX_ROWS or any(s is None for s in states) or len(with_bias) != 1
-            or {_compute_dtype(m, residual) for m in modules} != {residual.dtype}
+            or not {_compute_dtype(m, residual) for m in modules} <= computes
             or norm.weight.dtype != residual.dtype or len({s.nested for s in states}) != 1):
         return unfused(norm, residual, x, attn)
-    from .kernels.nf4_gemv import NF4Tensors, nf4_add_rms_norm_linear_group
 
     weights = [NF4Tensors.from_bnb(m.weight.data, s) for m, s in zip(modules, states)]
     biases = [m.bias for m in modules] if with_bias.pop() else None

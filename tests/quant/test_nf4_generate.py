@@ -124,3 +124,44 @@ def test_nf4_norm_before_attention_runs_inside_the_qkv_gemv(monkeypatch, fuse_no
         moegraph.unpatch(model)
     assert stats.fallback_reason is None and torch.equal(got, want)
     assert len(launches) == (2 if fuse_norms else 0) * (stats.steps - 1)  # layers x decode steps (not prefill's)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_float32_compute_projections_take_the_fused_norm_at_one_row(monkeypatch, rows):
+    """Linear4bit projections computing in float32 (BitsAndBytesConfig's default) beside bf16 rows: at one row the
+    norm and q/k/v run in one launch, with the bf16-compute projections' bits and what the separate norm and
+    float32 GEMV give (up to the fused norm's chunked sum of squares); from two rows (tensor cores, weights rounded
+    to the compute dtype) the projections keep their float32 compute, apart."""
+    from moegraph import ops
+    from moegraph.kernels import nf4_gemv, rms_norm, triton_available
+
+    if not triton_available(torch.empty(0)):
+        pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    model = build_model("tiny", seed=7, quant="nf4", num_layers=1, dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    attn, norm = layer.self_attn, layer.input_layernorm
+    gen = torch.Generator().manual_seed(8)
+    residual, x = (torch.randn(rows, model.config.hidden_size, generator=gen).bfloat16() for _ in range(2))
+
+    def unfused(norm, residual, x, attn):
+        summed, normed = rms_norm.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
+        return summed, ops._nf4_gemv_qkv(attn, normed)
+
+    launches = []
+    fused = nf4_gemv.nf4_add_rms_norm_linear_group
+    monkeypatch.setattr(nf4_gemv, "nf4_add_rms_norm_linear_group", lambda *a, **k: launches.append(1) or fused(*a, **k))
+    results = {}
+    for compute in (torch.bfloat16, torch.float32):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.compute_dtype = compute
+        results[compute] = ops._nf4_gemv_add_norm_qkv(unfused, norm, residual, x, attn)
+        results[compute, "apart"] = unfused(norm, residual, x, attn)
+    assert len(launches) == (2 if rows == 1 else 1)  # bf16 compute is fused at both row counts
+    summed, qkv = results[torch.float32]
+    assert all(t.dtype == torch.bfloat16 for t in qkv)
+    for got, apart in zip(qkv, results[torch.float32, "apart"][1]):
+        torch.testing.assert_close(got, apart, atol=2e-2, rtol=2e-2)
+    if rows == 1:
+        assert all(torch.equal(a, b) for a, b in zip(qkv, results[torch.bfloat16][1]))
+    else:  # float32 compute apart: the same function as the unfused op
+        assert all(torch.equal(a, b) for a, b in zip(qkv, results[torch.float32, "apart"][1]))
