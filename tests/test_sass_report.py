@@ -20,6 +20,8 @@ def test_fewer_barriers_with_one_gather_and_x_pairs():
     """The multiply-add expert kernel's main loop, found and measured: one gather for both nibbles and x read as
     pairs leave it fewer shared-memory barriers a step than one gather per nibble, and no build spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the checkout under test, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TOOL.parents[1]), env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, str(TOOL), "--only", "gate_up", "--configs", "lookup1,lookup3+x_pairs"],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     rows = {}
