@@ -10,7 +10,7 @@
 #   bench_quant   ~4 min  NF4 against bf16, long generation
 #   ab            ~9 min  the untimed switches, decode A/B
 #   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
-#   short         ~9 min  with little device time: a sample of each of the above but ab
+#   short         ~7.5 min  with little device time: a sample of each of the above but ab
 #
 # Stages named together run in one call (keep a call under its 10 minutes): with little device time,
 # `kernel_tests bench_decode` first. A stage goes on after a failing step (each step's exit status is printed) and
@@ -61,15 +61,15 @@ stage() {
             --total-budget-s 80 --out "$out"
         ;;
     bench) stage bench_decode; stage bench_quant ;;
-    short)  # the least a session owes with little device time: a GPU-test sample, decode and first token at
-            # batch 1 / 8, the NF4 expert kernels' tiles
-        step 200 gpu_tests_short python3 -m pytest -q -p no:cacheprovider -rf tests/test_generate_cuda.py \
-            tests/test_nf4_cuda.py tests/kernels
-        step 110 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8 --runs 2 \
-            --total-budget-s 100 --out "$out"
-        step 90 bench_ttft python3 -m moegraph bench --ttft 16,128 --backends hf,moegraph,moegraph_prefill \
-            --batch-sizes 1 --runs 3 --total-budget-s 75 --out "$out"
-        step 150 nf4_kernels python3 benchmarks/nf4_kernels.py --only moe
+    short)  # the least a session owes with little device time (~7.5 min): graph == eager (bf16, NF4, prefill
+            # graphs), decode and first token at batch 1 / 8, the NF4 expert kernels' tiles
+        step 150 gpu_tests_short python3 -m pytest -q -p no:cacheprovider -rf tests/test_generate_cuda.py \
+            tests/test_nf4_cuda.py
+        step 100 bench_bf16 python3 -m moegraph bench --backends hf,moegraph --batch-sizes 1,8 --runs 2 \
+            --total-budget-s 90 --out "$out"
+        step 80 bench_ttft python3 -m moegraph bench --ttft 16,128 --backends hf,moegraph,moegraph_prefill \
+            --batch-sizes 1 --runs 3 --total-budget-s 65 --out "$out"
+        step 120 nf4_kernels python3 benchmarks/nf4_kernels.py --only moe
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short)" >&2
