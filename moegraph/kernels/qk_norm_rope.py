@@ -20,6 +20,7 @@ from ._triton import pdl, pdl_wait, tl, triton
 # where Triton's default 4 warps add 10 shared-memory barriers (sm_90 SASS, Triton 3.6). Not yet timed on a GPU.
 NUM_WARPS = 1
 
+
 @triton.jit
 def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
     out_dtype = xa.dtype
