@@ -43,10 +43,14 @@ BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in fligh
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
 LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
-# Not yet timed (no GPU since they were written), so off / unchanged: LOOKUP 3 (both nibbles in one gather) and
-# X_PAIRS (x read as pairs in the weight tile's layout) take the multiply-add loop from 12 shared-memory barriers
-# a step to 4 at the same instruction count (SASS of the sm_90 build, tools/sass_report.py)
+# 1 token: LOOKUP 3 (both nibbles in one gather) and X_PAIRS (x read as pairs in the weight tile's layout) take the
+# loop from 12 shared-memory barriers a step to 4 (tools/sass_report.py) but were no faster on the H100: 25.6 us
+# with both against 23.6 (benchmarks/results/nf4_kernels_h100_2026-12-05.txt)
 X_PAIRS = False
+# 2 to 15 tokens (the multiply-add path's few-token tiles): both on, batch 8 (53 experts) 123.2 us against 140.6
+# with neither, 128.2 with X_PAIRS alone, 136.6 with LOOKUP 3 alone (same file, H100)
+FEW_TOKENS_LOOKUP = 3
+FEW_TOKENS_X_PAIRS = True
 PAIR_COMBINE = False  # multiply-add path: the down GEMVs and the weighted combine in one launch (same bits), untimed
 
 
@@ -60,8 +64,9 @@ class NF4MoEConfig:
     use_dot: Optional[bool] = None
     num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
     num_stages: Optional[int] = None  # None: Triton's default
-    lookup: Optional[int] = None  # None: the module's LOOKUP at the call
-    # None: the module's X_PAIRS / PAIR_COMBINE at the call (what a decode-wide A/B switches)
+    # None: the module's LOOKUP / X_PAIRS (FEW_TOKENS_* for 2-15 tokens) / PAIR_COMBINE at the call (what a
+    # decode-wide A/B switches)
+    lookup: Optional[int] = None
     x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
     combine: Optional[bool] = None  # multiply-add path: the down GEMVs and moe_combine in one launch
 
@@ -241,8 +246,8 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
                                                                             else GATE_UP_BLOCK_N),
                               down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N),
-                              lookup=check_lookup(op, LOOKUP if cfg.lookup is None else cfg.lookup),
-                              x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs,
+                              lookup=check_lookup(op, _default(cfg.lookup, FEW_TOKENS_LOOKUP if few else LOOKUP)),
+                              x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
     if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2):
         raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
@@ -265,6 +270,10 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
             cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
     return combine(out, position, top_k_weights, hidden.dtype)
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def fused_moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, gate_up: NF4Tensors, down: NF4Tensors, code,

@@ -234,6 +234,33 @@ def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_few_tokens_take_one_gather_and_x_pairs_by_default(monkeypatch):
+    """2-15 tokens default to FEW_TOKENS_LOOKUP / FEW_TOKENS_X_PAIRS (measured faster at 8 tokens), one token to
+    LOOKUP / X_PAIRS; a config's own choice wins. Both forms give the same bits."""
+    from moegraph.kernels import nf4_moe
+
+    launched = []
+    launch = nf4_moe._launch
+    monkeypatch.setattr(nf4_moe, "_launch", lambda *a, **k: launched.append(a[8]) or launch(*a, **k))
+    code = nf4_code(DEVICE)
+    gate_up, down = _random_nf4(4, 64, 64, False, seed=80), _random_nf4(4, 64, 32, False, seed=81)
+    x = torch.randn(3, 64, generator=_gen(82)).to(DEVICE, torch.bfloat16)
+    index = torch.rand(3, 4, generator=_gen(83)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(3, 2, generator=_gen(84)).to(DEVICE, torch.bfloat16)
+    run = lambda t, cfg: fused_moe_experts_nf4(x[:t], index[:t], weights[:t], gate_up, down, code,  # noqa: E731
+                                               moe_combine, cfg)
+    for tokens, want in ((3, (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS)),
+                         (1, (nf4_moe.LOOKUP, nf4_moe.X_PAIRS))):
+        launched.clear()
+        default = run(tokens, NF4MoEConfig(block_k=64))
+        assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {want}
+        launched.clear()
+        other = (1, False) if want != (1, False) else (3, True)
+        assert torch.equal(default, run(tokens, NF4MoEConfig(block_k=64, lookup=other[0], x_pairs=other[1])))
+        assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {other}
+    assert (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS) == (3, True)
+
+
 def test_x_pairs_only_where_the_words_are_aligned():
     """A view that starts mid-word (its 32-bit pair loads would be misaligned on a GPU) keeps the 1-D loads."""
     from moegraph.kernels._nf4 import pairs_readable
