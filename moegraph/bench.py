@@ -34,9 +34,13 @@ import moegraph
 from moegraph.testing import build_model, random_prompts
 
 BACKENDS = ("hf", "hf_batched_mm", "hf_static_compile", "moegraph_eager", "moegraph")
-# run only when named: moegraph with patch(prefill="graphs") (the prompts as token rows of a captured decode step)
-OPT_IN_BACKENDS = ("moegraph_prefill",)
-PRIORITY = ("moegraph", "hf", "moegraph_prefill", "moegraph_eager", "hf_batched_mm", "hf_static_compile")
+# run only when named, moegraph with its prefill forced (the default, "auto", is "graphs" on CUDA):
+# moegraph_prefill: patch(prefill="graphs") (the prompts as token rows of a captured decode step, any device);
+# moegraph_hf_prefill: patch(prefill="transformers") (transformers' forward runs the prompt)
+PREFILL_BACKENDS = {"moegraph_prefill": "graphs", "moegraph_hf_prefill": "transformers"}
+OPT_IN_BACKENDS = tuple(PREFILL_BACKENDS)
+PRIORITY = ("moegraph", "hf", "moegraph_prefill", "moegraph_hf_prefill", "moegraph_eager", "hf_batched_mm",
+            "hf_static_compile")
 # --quant nf4 adds, on the same model quantized in place after the bf16 cases:
 # hf_4bit: transformers as load_in_4bit leaves it (Linear4bit projections, experts still bf16);
 # moegraph_nf4: moegraph with NF4 experts and Linear4bit projections.
@@ -237,7 +241,7 @@ class Runner:
             model.set_experts_implementation("batched_mm" if backend == "hf_batched_mm" else "grouped_mm")
         if backend.startswith("moegraph"):
             moegraph.patch(model, cuda_graphs=backend != "moegraph_eager", max_batch_size=max(batch_size, 1),
-                           prefill="graphs" if backend == "moegraph_prefill" else "transformers")
+                           prefill=PREFILL_BACKENDS.get(backend, "auto"))
 
     def teardown(self):
         moegraph.unpatch(self.model)

@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: 1,8,32,64 for the decode table, 1,8 for --prompt-len and --ttft, 1 for --profile")
     bench.add_argument("--backends", default=None,
                        help="default: hf,hf_batched_mm,hf_static_compile,moegraph_eager,moegraph for the decode "
-                            "table, hf,moegraph for --prompt-len, --long and --ttft; moegraph_prefill (when named): "
-                            "moegraph with patch(prefill='graphs')")
+                            "table, hf,moegraph for --prompt-len, --long and --ttft; when named, moegraph with its prefill "
+                            "forced: moegraph_prefill (prefill='graphs'), moegraph_hf_prefill "
+                            "(prefill='transformers')")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--runs", type=int, default=3, help="timed runs per case (median reported)")
     bench.add_argument("--budget-s", type=float, default=45.0,

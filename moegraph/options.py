@@ -8,7 +8,7 @@ from .errors import InvalidArgumentError
 from .moe.select import validate_backend_name
 
 SAMPLING_MODES = ("auto", "device", "transformers")
-PREFILL_MODES = ("transformers", "graphs")
+PREFILL_MODES = ("auto", "transformers", "graphs")
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,9 @@ class PatchOptions:
     max_seq_len: int | None = None  # positions of the static cache; None: sized by the calls, grown on demand
     check_every: int = 8  # decode steps between host checks of "all rows finished"
     sampling: str = "auto"  # "auto" (device on CUDA) | "device" | "transformers" (its processors + multinomial)
-    # "transformers" (its forward) | "graphs": prompts of up to 512 tokens through moegraph's decode step, one row per
-    # token, captured per bucket on CUDA (new: not yet the default; cuda_graph/prefill.py)
-    prefill: str = "transformers"
+    # "auto" (graphs on CUDA) | "transformers" (its forward) | "graphs": prompts of up to 512 tokens through
+    # moegraph's decode step, one row per token, captured per bucket on CUDA (cuda_graph/prefill.py)
+    prefill: str = "auto"
 
     def __post_init__(self):
         validate_backend_name(self.moe_backend)

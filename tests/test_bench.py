@@ -124,12 +124,16 @@ def test_bench_long_sampled_run_and_time_to_first_token(tmp_path):
     assert all(r["prefill_ms"] > 0 for r in ttft if r["backend"] == "moegraph")
 
 
-def test_bench_ttft_of_the_token_row_prefill_when_named(tmp_path):
-    """moegraph_prefill runs only when named: moegraph with patch(prefill="graphs"), beside the others."""
-    results = _bench(tmp_path, "--ttft", "6", "--batch-sizes", "2", "--backends", "moegraph,moegraph_prefill")
+def test_bench_ttft_of_each_prefill_when_named(tmp_path):
+    """moegraph_prefill / moegraph_hf_prefill run only when named: moegraph with patch(prefill="graphs") /
+    patch(prefill="transformers"), beside moegraph's default ("auto": transformers' prefill on the CPU)."""
+    results = _bench(tmp_path, "--ttft", "6", "--batch-sizes", "2", "--backends",
+                     "moegraph,moegraph_prefill,moegraph_hf_prefill")
     ttft = {r["backend"]: r for r in results["ttft_cases"]}
-    assert set(ttft) == {"moegraph", "moegraph_prefill"}
-    assert ttft["moegraph_prefill"]["prefill"] == "graphs" and ttft["moegraph"]["prefill"].startswith("transformers")
+    assert set(ttft) == {"moegraph", "moegraph_prefill", "moegraph_hf_prefill"}
+    assert ttft["moegraph_prefill"]["prefill"] == "graphs"
+    assert ttft["moegraph"]["prefill"] == "transformers: prefill='auto' on cpu"
+    assert ttft["moegraph_hf_prefill"]["prefill"] == "transformers: prefill='transformers'"
     assert all(r["status"] == "ok" and r["ttft_ms"] > 0 for r in ttft.values())
     assert build_parser().parse_args(["bench"]).backends is None  # the default decode table leaves it out
 

@@ -29,14 +29,18 @@ def _generate(model, inputs, use_cache=None, **options):
     return out, stats
 
 
+@pytest.mark.parametrize("prefill", ["auto", "transformers"])
 @pytest.mark.parametrize("batch_size", [1, 5, 8])
-def test_captured_equals_eager_bit_exact(model, batch_size):
+def test_captured_equals_eager_bit_exact(model, batch_size, prefill):
+    """The default (prefill="auto": token rows on CUDA) and transformers' prefill, each with its decode graphs."""
     for prompt_seed in range(3):
         inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=64,
                                 seed=prompt_seed, device="cuda")
-        graph_out, graph_stats = _generate(model, inputs, max_batch_size=16)
-        eager_out, eager_stats = _generate(model, inputs, max_batch_size=16, cuda_graphs=False)
+        graph_out, graph_stats = _generate(model, inputs, max_batch_size=16, prefill=prefill)
+        eager_out, eager_stats = _generate(model, inputs, max_batch_size=16, cuda_graphs=False, prefill=prefill)
         assert graph_stats.graphs and not eager_stats.graphs
+        assert graph_stats.prefill == eager_stats.prefill
+        assert (graph_stats.prefill == "graphs") == (prefill == "auto")
         assert torch.equal(graph_out.sequences, eager_out.sequences)
         for a, b in zip(graph_out.logits, eager_out.logits):
             assert torch.equal(a, b)
@@ -52,7 +56,7 @@ def test_prefill_graphs_captured_equals_eager_and_follows_transformers_prefill(m
         kw = dict(max_batch_size=16, prefill="graphs")
         graph_out, graph_stats = _generate(model, inputs, use_cache=False, **kw)
         eager_out, eager_stats = _generate(model, inputs, use_cache=False, cuda_graphs=False, **kw)
-        hf_out, hf_stats = _generate(model, inputs, use_cache=False, max_batch_size=16)
+        hf_out, hf_stats = _generate(model, inputs, use_cache=False, max_batch_size=16, prefill="transformers")
         assert graph_stats.prefill == eager_stats.prefill == "graphs" and graph_stats.graphs
         assert hf_stats.prefill.startswith("transformers")
         assert torch.equal(graph_out.sequences, eager_out.sequences)
@@ -60,6 +64,20 @@ def test_prefill_graphs_captured_equals_eager_and_follows_transformers_prefill(m
             assert torch.equal(a, b)
         first, want = graph_out.logits[0].float(), hf_out.logits[0].float()
         assert ((first - want).norm() / want.norm()) < 0.02  # bf16 rounding of the same prompt
+
+
+def test_capture_prepares_the_prefill_graphs_too(model):
+    """capture(batch_size, max_length) captures the token buckets such calls can take: the first call captures
+    nothing, with the token-row prefill (the default on CUDA)."""
+    moegraph.patch(model, max_batch_size=4)
+    try:
+        moegraph.capture(model, batch_size=4, max_length=64)
+        inputs = random_prompts(4, vocab_size=model.config.vocab_size, min_len=20, max_len=40, seed=3, device="cuda")
+        model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        stats = moegraph.decode_stats(model)
+        assert stats.prefill == "graphs" and stats.graphs and stats.captures == 0
+    finally:
+        moegraph.unpatch(model)
 
 
 def test_agreement_with_pure_transformers(model, capsys):

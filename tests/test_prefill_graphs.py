@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 import moegraph
 from moegraph.cuda_graph import prefill
+from moegraph.options import PatchOptions
 from moegraph.cuda_graph.hf_cache import forward_cache_argument, output_cache_field
 from moegraph.testing import build_model, random_prompts
 
@@ -37,6 +38,20 @@ def test_token_buckets_and_rows():
     shifted = prefill.token_rows(ids, mask, torch.tensor([2, 4]), position_ids=torch.arange(4).expand(2, 4) + 10)
     assert shifted.rope_positions.tolist() == [12, 13, 10, 11, 12, 13]  # given position ids win
     assert "differ" in prefill.text_positions(torch.stack([torch.zeros(2, 4), torch.ones(2, 4)]))
+
+
+def test_default_prefill_is_token_rows_on_cuda_only(model):
+    """prefill="auto" (the default): token rows where there are graphs to replay, transformers' forward elsewhere."""
+    assert PatchOptions().prefill == "auto"
+    assert prefill.resolve_mode("auto", torch.device("cuda", 0)) == "graphs"
+    assert prefill.resolve_mode("auto", torch.device("cpu")) == "transformers"
+    assert prefill.resolve_mode("graphs", torch.device("cpu")) == "graphs"
+    moegraph.patch(model, max_batch_size=4)
+    try:
+        model.generate(**random_prompts(2, vocab_size=model.config.vocab_size, seed=5), max_new_tokens=2)
+        assert moegraph.decode_stats(model).prefill == "transformers: prefill='auto' on cpu"
+    finally:
+        moegraph.unpatch(model)
 
 
 def test_prefill_option_is_checked(model):

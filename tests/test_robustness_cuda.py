@@ -151,7 +151,7 @@ def test_keyboard_interrupt_while_capturing(model, monkeypatch):
         assert captured == [8, 4] and _decoder_for(model).graphs.graphs == {}
         got = _generate(model, inputs)
         stats = moegraph.decode_stats(model)
-        assert stats.graphs and stats.captures == 4  # buckets 8, 4, 2, 1
+        assert stats.graphs and stats.captures == 4 + 1  # batch buckets 8, 4, 2, 1; the prompts' token bucket
         assert torch.equal(got, want)
     finally:
         moegraph.unpatch(model)

@@ -137,7 +137,7 @@ class GraphDecoder:
         self.cache: StaticKVCache | None = None
         self.inputs: StaticInputs | None = None
         self.graphs: BucketGraphs | None = None
-        self.prefill_graphs: BucketGraphs | None = None  # keyed (batch bucket, token bucket)
+        self.prefill_graphs: BucketGraphs | None = None  # keyed by token bucket
         self.prefill_inputs: prefill.PrefillInputs | None = None
         self.stats = DecodeStats()
         self._warned: set[str] = set()
@@ -226,6 +226,8 @@ class GraphDecoder:
                                        f"max_length <= {limit}, or patch with a larger max_seq_len")
         use_graphs = self.graphs_enabled()
         self._ensure_capacity(rows, max_length, use_graphs)
+        if use_graphs and prefill.resolve_mode(self.options.prefill, self.model.device) == "graphs":
+            self._capture_prefill(prefill.token_buckets_up_to(rows * max_length))
         if not use_graphs:
             logger.info("moegraph: capture(): %s; the static KV cache (%d rows x %d positions) is ready for the "
                         "eager decode loop", self._why_no_graphs(), self.cache.rows, self.cache.positions)
@@ -548,8 +550,8 @@ class GraphDecoder:
         return _Rows(tokens[:, :prompt_len + produced], produced, prefill_cache, mask, rope_start)
 
     def _token_rows(self, stats: DecodeStats, prompt: _Prompt, kwargs: dict, input_ids, rope_start):
-        """The chunk's prompts as token rows when prefill="graphs" takes them, else None (stats say why not)."""
-        why = prefill.why_not_graphs(self.options.prefill, prompt)
+        """The chunk's prompts as token rows when the prefill mode takes them, else None (stats say why not)."""
+        why = prefill.why_not_graphs(self.options.prefill, prompt, self.model.device)
         rows = None
         if why is None:
             positions = prefill.text_positions(kwargs.get("position_ids"))
@@ -660,36 +662,44 @@ class GraphDecoder:
         return self.decode_step(self.model, self.cache, self.inputs.token_ids[:rows], self.inputs.positions[:rows],
                               self.ops, self.inputs.rope_positions[:rows])
 
-    def _prefill_forward(self, key: tuple[int, int]) -> torch.Tensor:
-        """The decode step over token rows: logits [batch bucket, V] of each prompt's last token."""
-        batch, tokens = key
+    def _prefill_forward(self, tokens: int, prompts: int | None = None) -> torch.Tensor:
+        """The decode step over the first `tokens` token rows: logits [prompts, V] of each prompt's last token.
+        prompts None (graphs, and eager runs on CUDA): every row of the static cache, so that one graph per token
+        bucket serves every batch (the lm_head reads its weights once whatever the rows; spare rows read row 0)."""
         p = self.prefill_inputs
+        last = p.last if prompts is None else p.last[:prompts]
         return self.decode_step(self.model, self.cache, p.token_ids[:tokens], p.positions[:tokens], self.ops,
-                                p.rope_positions[:tokens], cache_rows=p.cache_rows[:tokens], logit_rows=p.last[:batch])
+                                p.rope_positions[:tokens], cache_rows=p.cache_rows[:tokens], logit_rows=last)
 
     def _prefill_rows(self, rows: prefill.TokenRows, use_graphs: bool) -> torch.Tensor:
         """First logits [n, V] float32 of the n prompts in `rows`, their K/V written into the static cache."""
         n = rows.last.shape[0]
-        key = (bucket_for(n, self.buckets), prefill.token_bucket(rows.count))
-        self.prefill_inputs.load(rows, key[1], key[0], spare_position=self.cache.positions - 1)
-        if use_graphs and self._prefill_capture_error is None:
-            if key not in self.prefill_graphs.graphs:
-                try:
-                    captured, seconds = self.prefill_graphs.capture([key], self.model.device, show_progress=False)
-                except torch.OutOfMemoryError as exc:
-                    raise self._out_of_memory(f"capturing a prefill graph ({key[1]} token rows)", exc) from None
-                except Exception as exc:  # the same step, eagerly: the same first token
-                    first_line = str(exc).splitlines()[0] if str(exc) else ""
-                    self._prefill_capture_error = f"{type(exc).__name__}: {first_line}"
-                    self._warn_once(f"moegraph: capturing the prefill graph failed ({self._prefill_capture_error}); "
-                                    "running the token-row prefill eagerly")
-                    return self._prefill_forward(key)[:n]
-                self.graphs_captured += captured
-                self.capture_seconds += seconds
-            return self.prefill_graphs.replay(key)[:n].clone()
+        tokens = prefill.token_bucket(rows.count)
+        self.prefill_inputs.load(rows, tokens, spare_position=self.cache.positions - 1)
+        if use_graphs and self._capture_prefill([tokens]):
+            return self.prefill_graphs.replay(tokens)[:n].clone()
         if self.ops.device.type == "cuda":  # the replay's shapes: the eager loop equals it bit for bit
-            return self._prefill_forward(key)[:n]
-        return self._prefill_forward((n, rows.count))
+            return self._prefill_forward(tokens)[:n]
+        return self._prefill_forward(rows.count, n)
+
+    def _capture_prefill(self, buckets: list[int]) -> bool:
+        """Capture the prefill graphs of these token buckets that are missing; False once a capture has failed
+        (the token-row prefill then runs eagerly: the same first tokens)."""
+        if self._prefill_capture_error is not None:
+            return False
+        try:
+            captured, seconds = self.prefill_graphs.capture(buckets, self.model.device, show_progress=False)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(f"capturing a prefill graph ({max(buckets)} token rows)", exc) from None
+        except Exception as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            self._prefill_capture_error = f"{type(exc).__name__}: {first_line}"
+            self._warn_once(f"moegraph: capturing the prefill graph failed ({self._prefill_capture_error}); "
+                            "running the token-row prefill eagerly")
+            return False
+        self.graphs_captured += captured
+        self.capture_seconds += seconds
+        return True
 
     # ----- static cache and graphs ------------------------------------------------------------
     def _ensure_capacity(self, rows: int, positions: int, use_graphs: bool | None = None) -> None:
@@ -746,7 +756,7 @@ class GraphDecoder:
             raise self._out_of_memory(f"allocating a static KV cache of {rows} rows x {positions} positions "
                                       f"({gb:.2f} GB)", exc) from None
         ops, graphs, slots = self._ops(), BucketGraphs(step=self._forward), weight_slots(self.model)
-        prefill_graphs = BucketGraphs(step=self._prefill_forward)
+        prefill_graphs = BucketGraphs(step=self._prefill_forward, what="prefill graph(s) (token buckets")
         self._free()
         # one statement: a KeyboardInterrupt cannot leave a cache without its graphs or weight pointers
         (self.cache, self.inputs, self.prefill_inputs, self.ops, self.graphs, self.prefill_graphs, self._weight_slots,

@@ -103,7 +103,8 @@ def weights_signature(slots: list[tuple[dict, str, bool]]) -> tuple[int, ...]:
 class BucketGraphs:
     """The captured graphs, one per bucket, and their outputs (logits [bucket, V] float32)."""
 
-    step: Callable[[int], torch.Tensor]  # rows -> logits, reading StaticInputs and the static cache
+    step: Callable[[int], torch.Tensor]  # bucket -> logits, reading its static inputs and the static cache
+    what: str = "decode graph(s) (batch buckets"  # for the log line
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     pool: object = None
@@ -124,8 +125,7 @@ class BucketGraphs:
             traceback.clear_frames(exc.__traceback__)  # its frames hold the half-captured graph (and its pool)
             raise
         elapsed = time.perf_counter() - start
-        logger.info("moegraph: captured %d decode graph(s) (batch buckets %s) in %.2f s",
-                    len(missing), sorted(missing), elapsed)
+        logger.info("moegraph: captured %d %s %s) in %.2f s", len(missing), self.what, sorted(missing), elapsed)
         return len(missing), elapsed
 
     def _capture(self, missing: list[int], device: torch.device, show_progress: bool) -> None:

@@ -4,8 +4,9 @@ transformers' forward runs a prefill op by op from Python: ~70 launches per laye
 token at batch 1 costs ~100 ms of host time on an H200 for ~16 ms of kernels. Here every real prompt token becomes
 one row of the decode step (`decode_step(..., cache_rows=, logit_rows=)`): it writes its K/V at its position in its
 prompt's row of the static cache and attends to that row up to its own position, which is causal attention over the
-prompt; the rows of the last tokens give the first logits. On CUDA the step is captured once per
-(batch bucket, token bucket) and replayed, like the decode graphs; elsewhere it runs eagerly.
+prompt; the rows of the last tokens give the first logits. On CUDA the step is captured once per token bucket
+and replayed, like the decode graphs (logits for every row of the static cache, so that one graph serves every
+batch); elsewhere it runs eagerly.
 
 Token rows are the real tokens of each row in order (padding dropped, as the static cache holds no padding): row r's
 i-th real token goes to cache row r, position i, with RoPE position rope_start[r] - length[r] + i (transformers'
@@ -28,6 +29,11 @@ MAX_TOKENS = TOKEN_BUCKETS[-1]  # past it transformers' prefill: attention here 
 
 def token_bucket(tokens: int) -> int:
     return TOKEN_BUCKETS[bisect.bisect_left(TOKEN_BUCKETS, tokens)]
+
+
+def token_buckets_up_to(tokens: int) -> list[int]:
+    """The token buckets a prefill of up to `tokens` prompt tokens in all can take (capture() prepares these)."""
+    return list(TOKEN_BUCKETS[:bisect.bisect_left(TOKEN_BUCKETS, min(tokens, MAX_TOKENS)) + 1])
 
 
 @dataclass
@@ -90,13 +96,22 @@ def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | str | No
     return f"position_ids of shape {tuple(position_ids.shape)} whose components differ"
 
 
-def why_not_graphs(mode: str, prompt) -> str | None:
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """patch(prefill=) as it applies on `device`: "auto" takes token rows on CUDA, where they save the host time of
+    transformers' op-by-op forward, and keeps transformers' prefill elsewhere (no host time to save there)."""
+    if mode == "auto":
+        return "graphs" if device.type == "cuda" else "transformers"
+    return mode
+
+
+def why_not_graphs(mode: str, prompt, device: torch.device) -> str | None:
     """None when the call's prefill can run as token rows (the family's own input checks have passed); else why
     transformers' prefill runs it. `prompt`: the decoder's _Prompt."""
     from transformers import DynamicCache
 
-    if mode != "graphs":
-        return f"prefill={mode!r}"
+    resolved = resolve_mode(mode, device)
+    if resolved != "graphs":
+        return f"prefill={mode!r}" + (f" on {device.type}" if mode == "auto" else "")
     if prompt.past:
         return "the call continues from a cache"
     if prompt.keep_cache and not isinstance(prompt.cache, DynamicCache):
@@ -108,7 +123,8 @@ def why_not_graphs(mode: str, prompt) -> str | None:
 
 @dataclass
 class PrefillInputs:
-    """The static inputs every prefill graph reads, allocated once at the largest token bucket and batch bucket."""
+    """The static inputs every prefill graph reads, allocated once: MAX_TOKENS token rows, a last-token row per
+    row of the static cache."""
 
     token_ids: torch.Tensor
     cache_rows: torch.Tensor
@@ -121,9 +137,9 @@ class PrefillInputs:
         tokens = [torch.zeros(MAX_TOKENS, dtype=torch.long, device=device) for _ in range(4)]
         return cls(*tokens, torch.zeros(rows, dtype=torch.long, device=device))
 
-    def load(self, rows: TokenRows, tokens: int, batch: int, spare_position: int) -> None:
+    def load(self, rows: TokenRows, tokens: int, spare_position: int) -> None:
         """Token rows [0, n) from `rows`, spare rows up to `tokens` as the module docstring says; the last-token
-        rows of prompts [0, live) and of the batch bucket's spare prompts (their first token row: row 0)."""
+        rows of prompts [0, live), and token row 0 for the cache's other rows (their logits are not read)."""
         n, live = rows.count, rows.last.shape[0]
         self.token_ids[:n].copy_(rows.token_ids)
         self.cache_rows[:n].copy_(rows.cache_rows)
@@ -134,4 +150,4 @@ class PrefillInputs:
         self.positions[n:tokens].fill_(spare_position)
         self.rope_positions[n:tokens].fill_(spare_position)
         self.last[:live].copy_(rows.last)
-        self.last[live:batch].zero_()
+        self.last[live:].zero_()
