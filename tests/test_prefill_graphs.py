@@ -184,3 +184,28 @@ def test_chunked_batch_with_a_returned_cache_and_sliding_layers():
     assert stats.prefill == "graphs" and stats.chunks == 3 and torch.equal(got.sequences, want.sequences)
     field = output_cache_field()
     assert [a.keys.shape for a in getattr(got, field).layers] == [b.keys.shape for b in getattr(want, field).layers]
+
+
+def test_the_replayed_shapes_give_the_exact_shapes_first_logits(model):
+    """CUDA runs the token-row step at its graph's shapes (token rows padded to the bucket, logits for every row of
+    the static cache); the CPU at the call's own. The prompts' rows agree up to float32 rounding."""
+    from moegraph.patches.api import _patched_decoder
+
+    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=1)
+    moegraph.patch(model, max_batch_size=4, prefill="graphs")
+    try:
+        model.generate(**inputs, max_new_tokens=2)
+        decoder = _patched_decoder(model, "test")
+        rows = prefill.token_rows(inputs["input_ids"], inputs["attention_mask"],
+                                  torch.full((3,), inputs["input_ids"].shape[1]))
+        tokens = prefill.token_bucket(rows.count)
+        assert tokens > rows.count  # spare token rows in play
+        decoder.prefill_inputs.load(rows, tokens, spare_position=decoder.cache.positions - 1)
+        replayed_shapes = decoder._prefill_forward(tokens)
+        decoder.prefill_inputs.load(rows, tokens, spare_position=decoder.cache.positions - 1)
+        exact = decoder._prefill_forward(rows.count, 3)
+        cache_rows = decoder.cache.rows
+    finally:
+        moegraph.unpatch(model)
+    assert replayed_shapes.shape[0] == cache_rows == 4 and exact.shape[0] == 3
+    torch.testing.assert_close(replayed_shapes[:3], exact, rtol=1e-5, atol=1e-5)
