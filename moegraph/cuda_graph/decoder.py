@@ -126,6 +126,12 @@ class _Rows:
     rope_start: torch.Tensor
 
 
+def _first_line(exc: Exception) -> str:
+    """'Type: first line of the message', what a warning line and decode_stats() say of a failed capture."""
+    message = str(exc)
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+
+
 class GraphDecoder:
     def __init__(self, model: nn.Module, options: PatchOptions, family: FamilySteps):
         """family: what the model's family gives the decoder (its decode step and its checks; moegraph.models)."""
@@ -474,7 +480,7 @@ class GraphDecoder:
         except Exception as exc:  # a failed capture must not lose the output: decode eagerly instead
             if not use_graphs:
                 raise
-            self._capture_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._capture_error = _first_line(exc)
             self._warn_once(f"moegraph: CUDA graph capture failed ({self._capture_error}); decoding eagerly")
             if self.graphs is not None:
                 self.graphs.release()
@@ -692,8 +698,7 @@ class GraphDecoder:
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(f"capturing a prefill graph ({max(buckets)} token rows)", exc) from None
         except Exception as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            self._prefill_capture_error = f"{type(exc).__name__}: {first_line}"
+            self._prefill_capture_error = _first_line(exc)
             self._warn_once(f"moegraph: capturing the prefill graph failed ({self._prefill_capture_error}); "
                             "running the token-row prefill eagerly")
             return False
