@@ -11,8 +11,8 @@
 #   ab            ~9 min  the untimed switches, decode A/B
 #   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
 #   short         ~7.5 min  with little device time: a sample of each of the above but ab
-#   done11        ~8.5 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
-#                           transformers, first token 16-4096 at batch 1 / 8, graph == eager
+#   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
+#                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
 # Stages named together run in one call (keep a call under its 10 minutes): with little device time,
 # `kernel_tests bench_decode` first. A stage goes on after a failing step (each step's exit status is printed) and
@@ -73,13 +73,14 @@ stage() {
             --batch-sizes 1 --runs 3 --total-budget-s 65 --out "$out"
         step 120 nf4_kernels python3 benchmarks/nf4_kernels.py --only moe
         ;;
-    done11)  # issue 11's "Done when" in one call: one decode table (greedy and sampled rows) beside transformers
-        step 270 bench_sample python3 -m moegraph bench --sample --backends hf,moegraph --batch-sizes 1,8,32,64 \
-            --runs 3 --total-budget-s 250 --out "$out"
-        step 130 bench_ttft python3 -m moegraph bench --ttft 16,128,512,4096 --backends hf,moegraph \
-            --batch-sizes 1,8 --runs 3 --total-budget-s 115 --out "$out"
-        step 120 gpu_tests_short python3 -m pytest -q -p no:cacheprovider -rf tests/test_generate_cuda.py \
-            tests/test_nf4_cuda.py
+    done11)  # issue 11's "Done when" in one call: one decode table (greedy and sampled rows) beside transformers,
+             # the first token, graph == eager and the robustness tests (capture counts, soak)
+        step 240 bench_sample python3 -m moegraph bench --sample --backends hf,moegraph --batch-sizes 1,8,32,64 \
+            --runs 3 --total-budget-s 225 --out "$out"
+        step 100 bench_ttft python3 -m moegraph bench --ttft 16,128,4096 --backends hf,moegraph \
+            --batch-sizes 1,8 --runs 3 --total-budget-s 90 --out "$out"
+        step 200 gpu_tests_done11 python3 -m pytest -q -p no:cacheprovider -rf tests/test_generate_cuda.py \
+            tests/test_nf4_cuda.py tests/test_robustness_cuda.py
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11)" >&2
