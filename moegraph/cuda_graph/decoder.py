@@ -605,12 +605,24 @@ class GraphDecoder:
         return torch.argmax(scores, dim=-1)
 
     def _prefill(self, input_ids, kwargs: dict, cache, prompt: _Prompt) -> torch.Tensor:
-        """transformers' own prefill of the uncached input into `cache`; returns the last logits [n, V] float32."""
+        """transformers' own prefill of the uncached input into `cache`; returns the last logits [n, V] float32.
+        A long prompt runs in chunks (prefill.transformers_chunks), each one's K/V in `cache` for the next."""
         kwargs = dict(kwargs, use_cache=True)
         kwargs[prompt.cache_name] = cache
-        inputs = self.model.prepare_inputs_for_generation(
-            input_ids, next_sequence_length=prompt.next_sequence_length, is_first_iteration=True, **kwargs)
-        out = self.model(**inputs, return_dict=True)
+        embeds = kwargs.get("inputs_embeds")
+        width = embeds.shape[1] if embeds is not None else input_ids.shape[1]
+        new = prompt.kv_width - prompt.past
+        start = width - new
+        for end in prefill.transformers_chunks(input_ids.shape[0], width, new, kwargs):
+            last = end == width
+            chunk_kwargs = kwargs if last else dict(prefill.prefix_kwargs(kwargs, end), logits_to_keep=1)
+            # one forward: transformers' own call; a chunk: the positions [start, end) after those cached
+            uncached = prompt.next_sequence_length if start == width - new and last else end - start
+            inputs = self.model.prepare_inputs_for_generation(
+                input_ids if last else input_ids[:, :end], next_sequence_length=uncached, is_first_iteration=True,
+                **chunk_kwargs)
+            out = self.model(**inputs, return_dict=True)
+            start = end
         return out.logits[:, -1].to(dtype=torch.float32, copy=True)
 
     def _join_chunk_caches(self, call: _Call, done: list[_Rows], parts: list[slice], sequences, input_len: int):

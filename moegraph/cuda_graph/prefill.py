@@ -151,3 +151,38 @@ class PrefillInputs:
         self.rope_positions[n:tokens].fill_(spare_position)
         self.last[:live].copy_(rows.last)
         self.last[live:].zero_()
+
+
+# transformers' prefill builds a [rows, 1, new, positions] attention mask (2 bytes an element in bf16): a long prompt
+# runs as consecutive chunks of its new positions that keep the mask under this many elements (512 MiB in bf16;
+# batch 8 x 32k tokens in one forward asked for 16 GiB), each chunk attending to the cache the chunks before it filled
+CHUNK_MASK_ELEMENTS = 1 << 28
+MIN_CHUNK = 256  # fewer tokens a forward leave the GPU idle between launches
+CHUNKABLE = frozenset({"attention_mask", "position_ids", "inputs_embeds"})  # sliced along their positions
+
+
+def transformers_chunks(rows: int, width: int, new: int, kwargs: dict) -> list[int]:
+    """Where transformers' prefill of the last `new` of `width` positions ends each chunk: [width] for one forward.
+
+    More than one only when the mask would pass CHUNK_MASK_ELEMENTS and every position-shaped input can be sliced
+    (attention_mask, 2-D position_ids, inputs_embeds: other inputs, e.g. a vision model's, keep one forward)."""
+    if rows * new * width <= CHUNK_MASK_ELEMENTS:
+        return [width]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and name not in CHUNKABLE:
+            return [width]
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() != 2:
+        return [width]
+    chunk = max(MIN_CHUNK, CHUNK_MASK_ELEMENTS // (rows * width))
+    return [*range(width - new + chunk, width, chunk), width]
+
+
+def prefix_kwargs(kwargs: dict, end: int) -> dict:
+    """kwargs of a prefill that stops after position `end`: the position-shaped inputs cut there."""
+    out = dict(kwargs)
+    for name in CHUNKABLE:
+        value = out.get(name)
+        if isinstance(value, torch.Tensor):
+            out[name] = value[:, :end]
+    return out
