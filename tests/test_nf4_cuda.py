@@ -48,7 +48,8 @@ def test_nf4_captured_equals_eager_bit_exact(model, batch_size):
             assert torch.equal(a, b)
 
 
-def test_nf4_decode_step_matches_unpatched_nf4_model(model):
+@pytest.mark.parametrize("prefill", ["transformers", "auto"])
+def test_nf4_decode_step_matches_unpatched_nf4_model(model, prefill):
     """The fused NF4 kernels compute what NF4Experts' torch forward computes: the unpatched model's logits over the
     patched model's own tokens (teacher forcing, so a near-tie flipped by rounding does not end the comparison).
 
@@ -59,13 +60,18 @@ def test_nf4_decode_step_matches_unpatched_nf4_model(model):
     from moegraph.accuracy import compare, teacher_forced_logits
 
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=9, device="cuda")
-    got, stats = _generate(model, inputs, max_batch_size=16)
+    got, stats = _generate(model, inputs, max_batch_size=16, prefill=prefill)
     assert stats.graphs
     logits = torch.stack(got.logits, dim=1).float()  # [B, N, V]; step 0 is the prefill's
     want = teacher_forced_logits(model, got.sequences, inputs["attention_mask"], logits.shape[1])
     rel, same_argmax = compare(logits[:, 1:], want[:, 1:])  # the decode kernels' steps
-    print("rel L2 per row and step:", rel)
+    first_rel, _ = compare(logits[:, :1], want[:, :1])
+    print(f"prefill {stats.prefill}: first logits rel L2 {first_rel.flatten().tolist()}, argmax agreement "
+          f"{same_argmax.float().mean().item():.3f}, rel L2 per row and step:", rel)
     assert rel.median().item() < 1e-2, rel
-    assert rel[:, :4].max().item() < 2e-2, rel
+    if prefill == "transformers":  # both runs cache the K/V of transformers' forward: the first steps stay close
+        assert rel[:, :4].max().item() < 2e-2, rel
+    else:  # the prompts' K/V from the token-row prefill (NF4 kernels, bf16 rounding in another order): 1-1.5%
+        assert first_rel.max().item() < 3e-2, first_rel  # off by 1-5% for a few steps after (H100, 2026-12-06)
     assert rel.max().item() < 0.2, rel
     assert same_argmax.float().mean().item() > 0.9

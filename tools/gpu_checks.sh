@@ -22,6 +22,12 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_checks}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
+# A carried transformers newer than the machine's huggingface-hub allows fails to import (5.25 wants hub >= 2.4;
+# the machine had 1.33 on 2026-12-06): use the machine's own transformers then, and say which.
+if ! python3 -c "import transformers" 2>/dev/null && [ -d /tmp/site/transformers ]; then
+    rm -rf /tmp/site/transformers /tmp/site/transformers-*
+    echo "carried transformers does not import here; using the machine's $(python3 -c 'import transformers; print(transformers.__version__)')"
+fi
 
 step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $out/NAME.txt, report the exit status
     local seconds=$1 name=$2
