@@ -103,3 +103,19 @@ def test_a_cache_passed_in_empty(model, tiny_chunks):
     got, _ = _patched(model, inputs, tiny_chunks, **{name: DynamicCache(config=model.config)}, max_new_tokens=3,
                       do_sample=False)
     assert len(tiny_chunks) == 3 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-glm4-moe",
+                                    "tiny-qwen3-vl-moe", "tiny-gpt-oss"])
+def test_every_family_in_chunks(preset, tiny_chunks):
+    """Each family's prefill in chunks of 3 gives transformers' tokens; GPT-OSS's sliding layers see prompts past
+    their window. Qwen3-VL-MoE (3-D RoPE position ids, not cut) runs one forward."""
+    model = build_model(preset, seed=0)
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None) or 8
+    inputs = random_prompts(3, vocab_size=config.vocab_size, min_len=window + 2, max_len=window + 9, seed=21)
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    want = model.generate(**inputs, **kwargs)
+    got, stats = _patched(model, inputs, tiny_chunks, **kwargs)
+    assert stats.fallback_reason is None and torch.equal(got, want)
+    assert len(tiny_chunks) == (1 if preset == "tiny-qwen3-vl-moe" else -(-inputs["input_ids"].shape[1] // 3))
