@@ -2,7 +2,8 @@
 # The GPU checks a session owes what was written since the last one, in stages that each fit one device call
 # (10 minutes; a session has 30 of device time). Logs and JSON go to $OUT (the device tool brings them back).
 #
-#   source .device-carry/activate.sh && bash tools/gpu_checks.sh STAGE...
+#   source .device-carry/activate.sh; bash tools/gpu_checks.sh STAGE...   (";": activate.sh fails where the carried
+#   transformers does not import, and the fallback below then takes the machine's own)
 #
 #   kernel_tests  ~5 min  kernels on CUDA, graph == eager (bf16, NF4), prefill graphs
 #   model_tests   ~4 min  every family's graph == eager, robustness          (tests = both)
