@@ -38,13 +38,15 @@ PAIR_GEMV_MAX_TOKENS = 4  # a decode bucket size (1, 2, 4, ...): eager and repla
 PAIR_BLOCK_N = 2
 PAIR_BLOCK_K = 2048
 PAIR_NUM_WARPS = 2
-# The pair path's down GEMVs and the weighted combine in one launch (the same bits; a launch fewer per layer):
-# written without a GPU, so off until benchmarks/ab_decode.py has timed it
+# The pair path's down GEMVs and the weighted combine in one launch (the same bits; a launch fewer per layer). Off:
+# slower on the H100 (benchmarks/ab_decode.py, 48 layers, 2026-12-06): batch-1 step 3.41 ms against 3.28 (each program
+# then streams all TOP_K experts' rows of its outputs, one after the other), batch 8 even
 PAIR_COMBINE = False
 ALIGN_BLOCK_I = 32  # pairs ranked per grouping program (fewer for fewer pairs)
 # Grouping: "compare" ranks every pair against every other, BLOCK_I at a time (num_pairs / 32 dependent steps:
 # 31 us a layer at 1,024 pairs, 239 us at 8,192 on the H200, the prefill profile of 2026-12-04); "histogram" counts
-# BLOCK_J pairs a step. The default stays "compare" until benchmarks/align_blocks.py has timed both on a GPU.
+# BLOCK_J pairs a step. Decode is even either way (H100, ab_decode.py, 2026-12-06: batch 8 11.07 against 11.09
+# ms/step); the default stays "compare" until benchmarks/align_blocks.py has timed both at prefill sizes.
 ALIGN_METHODS = ("compare", "histogram")
 ALIGN_METHOD = "compare"
 HISTOGRAM_BLOCK_I = 64

@@ -40,8 +40,9 @@ NORM_MAX_ROWS = QKV_MAX_ROWS
 WIDE_N = 32768  # outputs from which cuBLAS is as fast at any row count (the lm_head)
 NUM_WARPS = 4
 # The tensor-core form (use_dot=True) for up to DOT_ROWS_LIMIT rows, where the multiply-add form loses to cuBLAS
-# (q+k+v at 8 rows above: three launches, 21 MB in 15.3 us, 1.4 TB/s). Written without a GPU: the op table sends
-# rows to it only up to DOT_MAX_ROWS, 0 until benchmarks/ab_decode.py (switch gemv_dot) and gemv_decode.py time it.
+# (q+k+v at 8 rows above: three launches, 21 MB in 15.3 us, 1.4 TB/s). Not used (DOT_MAX_ROWS 0): in the whole step
+# it lost to cuBLAS on the H100 (benchmarks/ab_decode.py switch gemv_dot, 48 layers, 2026-12-06: batch 8 11.46
+# ms/step against 11.08).
 DOT_ROWS_LIMIT = 16
 DOT_MAX_ROWS = 0
 DOT_TILE = (16, 256)  # 16 weight rows a program (the smallest tensor-core tile): 320 programs for q+k+v, 128 for o

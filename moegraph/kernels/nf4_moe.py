@@ -51,7 +51,10 @@ X_PAIRS = False
 # with neither, 128.2 with X_PAIRS alone, 136.6 with LOOKUP 3 alone (same file, H100)
 FEW_TOKENS_LOOKUP = 3
 FEW_TOKENS_X_PAIRS = True
-PAIR_COMBINE = False  # multiply-add path: the down GEMVs and the weighted combine in one launch (same bits), untimed
+# multiply-add path: the down GEMVs and the weighted combine in one launch (same bits). Off: on the H100 the NF4
+# batch-1 step took 3.77 ms with it against 2.85 (ab_decode.py, 48 layers, 2026-12-06): 1 token x 2048 / BLOCK_N
+# programs, each decoding 8 experts' rows in turn, are too few to keep the loads in flight
+PAIR_COMBINE = False
 
 
 @dataclass(frozen=True)
