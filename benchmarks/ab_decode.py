@@ -15,9 +15,10 @@ Switches (each a module-level choice that a new patch's captures read):
   default 4 (router_topk.ROUTER_WARPS, qk_norm_rope.NUM_WARPS);
 - align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
 - nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
-  weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only.
+  weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only;
+- nf4_shuffle: every NF4 loop's code table read by warp shuffles (LOOKUP 4), x as pairs at one token; NF4 rows only.
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
-flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits.
+flip a near-tie (another summation order); pair_combine, lookup3, x_pairs and shuffle give the same bits.
 """
 
 import argparse
@@ -59,11 +60,20 @@ def _nf4_x_pairs(on: bool) -> None:
     nf4_moe.X_PAIRS = nf4_gemv.X_PAIRS = on
 
 
+def _nf4_shuffle(on: bool) -> None:
+    """Every NF4 multiply-add loop on the warp-shuffle lookup; one token reads x as pairs with it (the form with no
+    shared memory in the loop, tools/sass_report.py). Off: the defaults before it."""
+    nf4_moe.LOOKUP = nf4_moe.FEW_TOKENS_LOOKUP = nf4_gemv.LOOKUP = 4 if on else 1
+    if not on:
+        nf4_moe.FEW_TOKENS_LOOKUP = 3
+    nf4_moe.X_PAIRS = on
+
+
 # name -> (setter, default state, NF4 rows only)
 SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
             "gemv_dot": (_gemv_dot, False, False), "one_warp": (_one_warp, True, False),
             "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
-            "nf4_x_pairs": (_nf4_x_pairs, False, True)}
+            "nf4_x_pairs": (_nf4_x_pairs, False, True), "nf4_shuffle": (_nf4_shuffle, False, True)}
 
 
 def _set_all(names, on: bool) -> None:

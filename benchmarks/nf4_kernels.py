@@ -52,6 +52,9 @@ LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at 
     "fma bn8 bk2048 w4 lookup3 pairs": L(use_dot=False, block_n=8, block_k=2048, num_warps=4, lookup=3, x_pairs=True),
     "fma bn4 bk2048 w2 lookup3 pairs": L(use_dot=False, block_n=4, block_k=2048, num_warps=2, lookup=3, x_pairs=True),
     "fma bn2 bk2048 w1 lookup3 pairs": L(use_dot=False, block_n=2, block_k=2048, num_warps=1, lookup=3, x_pairs=True),
+    # the code table read by warp shuffles: no shared memory in the loop
+    "auto lookup4": L(lookup=4),
+    "auto lookup4 pairs": L(lookup=4, x_pairs=True),
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
@@ -78,6 +81,9 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma 4/4 bk1024 w2 pairs": C(use_dot=False, gate_up_block_n=4, down_block_n=4, block_k=1024, num_warps=2,
                                  x_pairs=True),
     "fma lookup3 pairs combine": C(use_dot=False, lookup=3, x_pairs=True, combine=True),
+    "fma lookup4": C(use_dot=False, lookup=4),
+    "fma lookup4 pairs": C(use_dot=False, lookup=4, x_pairs=True),
+    "dot lookup4": C(use_dot=True, lookup=4),
     # tensor cores (each expert dequantized once per step, not once per pair) below DOT_MIN_TOKENS too
     "dot lookup3": C(use_dot=True, lookup=3),
     # 8 warps: the gate_up tile's registers without spills (4 warps: 122 spill instructions, tools/sass_report.py)
@@ -257,7 +263,14 @@ def check_graph_replay(gen):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["linear", "moe"], help="run one kernel's part")
+    parser.add_argument("--configs", help="comma-separated config names to time (\"auto\" always runs), e.g. "
+                                          "\"fma lookup4 pairs,auto lookup4\"")
     args = parser.parse_args()
+    if args.configs:
+        keep = set(args.configs.split(",")) | {"auto"}
+        for table in (LINEAR_CONFIGS, MOE_CONFIGS):
+            for name in set(table) - keep:
+                del table[name]
     start = time.time()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     props = torch.cuda.get_device_properties(0)

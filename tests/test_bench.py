@@ -235,7 +235,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "one_warp": lambda: (router_topk.ROUTER_WARPS, qk_norm_rope.NUM_WARPS),
                "align_histogram": lambda: fused_moe.ALIGN_METHOD,
                "nf4_lookup3": lambda: (nf4_moe.LOOKUP, nf4_gemv.LOOKUP),
-               "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS)}
+               "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS),
+               "nf4_shuffle": lambda: (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_gemv.LOOKUP, nf4_moe.X_PAIRS)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -244,6 +245,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
+    monkeypatch.setattr(nf4_moe, "FEW_TOKENS_LOOKUP", nf4_moe.FEW_TOKENS_LOOKUP)
     monkeypatch.setattr(nf4_gemv, "X_PAIRS", nf4_gemv.X_PAIRS)
     monkeypatch.setattr(ops, "FUSE_NORMS", ops.FUSE_NORMS)
     monkeypatch.setattr(qk_norm_rope, "NUM_WARPS", qk_norm_rope.NUM_WARPS)

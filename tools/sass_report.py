@@ -185,7 +185,7 @@ def moe_rows(tokens: int, configs: dict, dump: bool, only_gate_up: bool = False)
             (args, kwargs), = launches[kernel_name]
             per_step = (2 if kernel_name.startswith("_gate") else 1) * kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
             yield report(f"experts T={tokens} {label}", getattr(nf4_moe, kernel_name), args, kwargs, per_step,
-                         {"DOT_FP32": False, "EXACT_MUL": False}, dump)
+                         _cuda_overrides(cfg), dump)
 
 
 def qkv_rows(configs: dict, norm: bool, dump: bool):
@@ -200,7 +200,12 @@ def qkv_rows(configs: dict, norm: bool, dump: bool):
             call = lambda: nf4_gemv.nf4_linear_group(x, weights, code, cfg)  # noqa: E731
         (args, kwargs), = _record(nf4_gemv, ["_nf4_linear_group_kernel"], call)["_nf4_linear_group_kernel"]
         yield report(f"q/k/v{' +norm' if norm else ''} M=1 {label}", nf4_gemv._nf4_linear_group_kernel, args,
-                     kwargs, kwargs["BLOCK_N"] * kwargs["BLOCK_K"], {"DOT_FP32": False, "EXACT_MUL": False}, dump)
+                     kwargs, kwargs["BLOCK_N"] * kwargs["BLOCK_K"], _cuda_overrides(cfg), dump)
+
+
+def _cuda_overrides(cfg) -> dict:
+    """What a launch on this CPU decides otherwise than a CUDA one: the dtypes' paths and the GPU-only lookup."""
+    return {"DOT_FP32": False, "EXACT_MUL": False, "LOOKUP": cfg.lookup}
 
 
 def main(argv=None):
@@ -215,9 +220,11 @@ def main(argv=None):
     moe = {"lookup1": M(), "lookup3": M(lookup=3), "x_pairs": M(x_pairs=True), "lookup3+x_pairs": M(lookup=3,
                                                                                                     x_pairs=True),
            "lookup3+x_pairs+combine": M(lookup=3, x_pairs=True, combine=True),
+           "lookup4": M(lookup=4), "lookup4+x_pairs": M(lookup=4, x_pairs=True),
            "thin 4/4 bk2048 w2 lookup3+x_pairs": M(gate_up_block_n=4, down_block_n=4, block_k=2048, num_warps=2,
                                                    lookup=3, x_pairs=True)}
-    linear = {"lookup1": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True)}
+    linear = {"lookup1": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True), "lookup4": L(lookup=4),
+              "lookup4+x_pairs": L(lookup=4, x_pairs=True)}
     if args.configs:
         keep = set(args.configs.split(","))
         moe, linear = ({k: v for k, v in table.items() if k in keep} for table in (moe, linear))
@@ -226,7 +233,7 @@ def main(argv=None):
           f"lookup {nf4_moe.LOOKUP}, x_pairs {nf4_moe.X_PAIRS}, combine {nf4_moe.PAIR_COMBINE}")
     rows = []
     if args.only in (None, "gate_up", "experts"):
-        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs") if k in moe}
+        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs", "lookup4+x_pairs") if k in moe}
         rows += list(moe_rows(1, moe, args.dump, args.only == "gate_up"))
         rows += list(moe_rows(8, few, args.dump, args.only == "gate_up"))
     if args.only in (None, "qkv"):

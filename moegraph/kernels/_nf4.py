@@ -22,6 +22,7 @@ and its registers stay in the layout they were loaded in. Two numerics, one per 
   values bitsandbytes' dequantize_4bit gives in that dtype.
 """
 
+import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -40,6 +41,41 @@ QUANT_BLOCK = BLOCKSIZE  # the only 4-bit blocksize the kernels take
 NESTED_BLOCK = NESTED_BLOCKSIZE
 _NESTED_BLOCK = tl.constexpr(NESTED_BLOCK)
 _COMPUTE_DTYPES = COMPUTE_DTYPES
+
+
+# LOOKUP 4. A thread's table value: code[lane % 16] ($1: code_ptr).
+_LANE_CODE_ASM = tl.constexpr("""{
+    .reg .u32 lane;
+    .reg .u64 offset, address;
+    mov.u32 lane, %laneid;
+    and.b32 lane, lane, 15;
+    mul.wide.u32 offset, lane, 4;
+    add.s64 address, $1, offset;
+    ld.global.nc.f32 $0, [address];
+}""")
+# Four bytes ($8, byte i in bits 8i..8i+7) to code[high nibble] ($0-$3) and code[low nibble] ($4-$7); $9: the
+# thread's table value (the other three table operands are the same value). shfl.sync.idx reads the table value of
+# lane (index & 31): for a nibble in the index's low bits that is lane nibble or nibble + 16, both holding
+# code[nibble], so no mask is needed, only a shift: 7 shifts and 8 shuffles for 8 weights, no shared memory, no
+# address arithmetic. Every lane of the warp runs it (the loop has no divergent branch).
+_SHUFFLE_LOOKUP_ASM = tl.constexpr("""{
+    .reg .b32 s<7>;
+    shr.b32 s0, $8, 4;
+    shr.b32 s1, $8, 12;
+    shr.b32 s2, $8, 8;
+    shr.b32 s3, $8, 20;
+    shr.b32 s4, $8, 16;
+    shr.b32 s5, $8, 28;
+    shr.b32 s6, $8, 24;
+    shfl.sync.idx.b32 $0, $9, s0, 31, 0xffffffff;
+    shfl.sync.idx.b32 $4, $9, $8, 31, 0xffffffff;
+    shfl.sync.idx.b32 $1, $9, s1, 31, 0xffffffff;
+    shfl.sync.idx.b32 $5, $9, s2, 31, 0xffffffff;
+    shfl.sync.idx.b32 $2, $9, s3, 31, 0xffffffff;
+    shfl.sync.idx.b32 $6, $9, s4, 31, 0xffffffff;
+    shfl.sync.idx.b32 $3, $9, s5, 31, 0xffffffff;
+    shfl.sync.idx.b32 $7, $9, s6, 31, 0xffffffff;
+}""")
 
 
 def nf4_code(device) -> torch.Tensor:
@@ -135,13 +171,23 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
                    experts, rows, cols, True)
 
 
-LOOKUPS = (0, 1, 2, 3)  # the forms of the code table (_nf4_codes)
+LOOKUPS = (0, 1, 2, 3, 4)  # the forms of the code table (_nf4_codes)
+LOOKUP_SHUFFLE = 4  # the form that only compiles for a GPU (PTX warp shuffles): resolve_lookup takes it elsewhere
+
+
+def resolve_lookup(lookup: int, device: torch.device, fallback: int = 1) -> int:
+    """The lookup a launch on `device` runs: LOOKUP_SHUFFLE where its PTX runs (CUDA, not Triton's interpreter),
+    else `fallback`, which computes the same values."""
+    if lookup == LOOKUP_SHUFFLE and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return fallback
+    return lookup
 
 
 def check_lookup(op: str, lookup: int) -> int:
     if lookup not in LOOKUPS:
         raise InvalidArgumentError(f"{op}: lookup={lookup!r} is not one of {LOOKUPS} (the code table's forms: "
-                                   "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather)")
+                                   "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather, "
+                                   "4 warp shuffles from a table held one value a lane)")
     return lookup
 
 
@@ -213,7 +259,11 @@ def _broadcast_absmax(absmax, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIG
 def _nf4_codes(packed, code_ptr, table, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOKUP: tl.constexpr):
     """code[high nibble], code[low nibble] of each byte: float32 [BLOCK_N, BLOCK_K // 2] each."""
     HALF: tl.constexpr = BLOCK_K // 2
-    if LOOKUP == 0:  # global gather from the 64-byte table (one L1 line): a 64-bit address per value
+    if LOOKUP == 4:  # warp shuffles: lane l holds code[l % 16] (table), a nibble names the lane to read
+        code_even, code_odd = tl.inline_asm_elementwise(_SHUFFLE_LOOKUP_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+                                                        [packed, table], dtype=(tl.float32, tl.float32),
+                                                        is_pure=True, pack=4)
+    elif LOOKUP == 0:  # global gather from the 64-byte table (one L1 line): a 64-bit address per value
         code_even = tl.load(code_ptr + (packed >> 4).to(tl.int32))
         code_odd = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
     elif LOOKUP == 1:  # the 16 values in shared memory (tl.gather): a 32-bit address, no bank conflict
@@ -242,10 +292,17 @@ def _nf4_decode(packed, absmax, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
-    """The lookup table of LOOKUP 1 and 3 (code [16] fp32) or 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15]
-    low)."""
-    if LOOKUP == 2:
+def _nf4_table(code_ptr, LOOKUP: tl.constexpr, BLOCK_N: tl.constexpr = 1, BLOCK_K: tl.constexpr = 2):
+    """The lookup table of LOOKUP 1 and 3 (code [16] fp32), 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15]
+    low) or 4 (code[lane % 16] in every element of a [BLOCK_N, BLOCK_K // 2] tile, as the byte tile)."""
+    if LOOKUP == 4:
+        # code[lane % 16] in each thread: an asm of loop-invariant operands that LLVM computes once (one register,
+        # out of the loop; "pure": the table is constant). Used only where it is made: a layout conversion would
+        # move it between threads and hand each lane another lane's value
+        table = tl.inline_asm_elementwise(_LANE_CODE_ASM, "=r,l", [code_ptr + tl.zeros([BLOCK_N, BLOCK_K // 2],
+                                                                                          tl.int32)],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    elif LOOKUP == 2:
         b = tl.arange(0, 256)
         high = tl.load(code_ptr + (b >> 4)).to(tl.uint32, bitcast=True).to(tl.uint64)
         low = tl.load(code_ptr + (b & 0xF)).to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -305,7 +362,7 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
     # wide steps (few steps, many loads in flight) sum each step: a [BLOCK_N, HALF] accumulator would not fit
     STEP_SUM: tl.constexpr = BLOCK_K >= 512
     K = 2 * row_bytes
-    table = _nf4_table(code_ptr, LOOKUP)
+    table = _nf4_table(code_ptr, LOOKUP, BLOCK_N, BLOCK_K)
     if USE_DOT:
         tl.static_assert(BLOCK_M >= 16, "tl.dot needs BLOCK_M >= 16")
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

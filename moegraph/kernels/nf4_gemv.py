@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
-                   check_lookup, nf4_code, pairs_readable)
+                   check_lookup, nf4_code, pairs_readable, resolve_lookup)
 from ._triton import pdl, pdl_wait, tl, triton
 from .gemv import row_inv_rms
 
@@ -251,8 +251,8 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         x, w.packed, w.absmax, w.nested_code, w.nested_absmax, w.offset, code, bias_arg, partial, rows_m, N, K // 2,
         steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1, LOOKUP=cfg.lookup,
-        X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
+        EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        LOOKUP=resolve_lookup(cfg.lookup, x.device), X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
@@ -336,8 +336,8 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, residual if residual is not None else x,
         norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
-        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=cfg.lookup,
-        NORM=norm is not None, HAS_ADD=residual is not None,
+        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None,
+        LOOKUP=resolve_lookup(cfg.lookup, x.device), NORM=norm is not None, HAS_ADD=residual is not None,
         X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
     return outs
 

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
-                   check_lookup, nf4_code, pairs_readable)
+                   check_lookup, nf4_code, pairs_readable, resolve_lookup)
 from ._triton import pdl, pdl_wait, tl, triton
 from .fused_moe import BLOCK_M, align_blocks
 from .moe_combine import moe_combine
@@ -204,7 +204,8 @@ def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim:
         act, experts, top_k_weights.contiguous(), out, dn.packed, dn.absmax, dn.nested_code, dn.nested_absmax,
         dn.offset, code, hidden_dim, dn.cols // 2, dn.packed.stride(0), dn.absmax.stride(0), dn.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
-        EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=cfg.lookup, X_PAIRS=pairs_readable(act, cfg.x_pairs),
+        EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=resolve_lookup(cfg.lookup, out.device),
+        X_PAIRS=pairs_readable(act, cfg.x_pairs),
         **_launch_options(cfg, False, cfg.down_block_n, out.device))
     return out
 
@@ -219,7 +220,8 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=cfg.lookup, X_PAIRS=pairs_readable(inputs, cfg.x_pairs),
+        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=resolve_lookup(cfg.lookup, out.device),
+        X_PAIRS=pairs_readable(inputs, cfg.x_pairs),
         **launch)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from moegraph.errors import InvalidArgumentError
 from moegraph.kernels import triton_available
+from moegraph.kernels._nf4 import resolve_lookup
 from moegraph.kernels.moe_combine import moe_combine
 from moegraph.kernels.nf4_gemv import (NF4LinearConfig, nf4_add_rms_norm_linear_group, nf4_linear, nf4_linear_group,
                                        nf4_linear_ref)
@@ -188,10 +189,10 @@ def test_fused_moe_experts_nf4(use_dot, nested, dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("lookup", [0, 1, 2, 3])
+@pytest.mark.parametrize("lookup", [0, 1, 2, 3, 4])
 def test_every_code_lookup(lookup, use_dot):
     """The forms of the 16-entry code table (L1 gather, shared 16 values gathered per nibble or for both at once,
-    shared 256 byte pairs) agree."""
+    shared 256 byte pairs, warp shuffles: on CUDA only, 1 elsewhere) agree."""
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 48, 128, True, seed=40)
     x = torch.randn(3, 128, generator=_gen(41)).to(DEVICE, torch.float16)
@@ -205,6 +206,44 @@ def test_every_code_lookup(lookup, use_dot):
     config = NF4MoEConfig(use_dot=use_dot, lookup=lookup, **TILES)
     got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
     assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)) < 2e-4
+
+
+@pytest.mark.parametrize("x_pairs", [False, True])
+@pytest.mark.parametrize("nested", [False, True])
+def test_shuffle_lookup_gives_the_same_bits(nested, x_pairs):
+    """LOOKUP 4 reads the same float32 code values by warp shuffles instead of shared memory: everything after the
+    lookup is the same, so the outputs equal LOOKUP 1's bit for bit, one row and several, GEMV, q/k/v group with
+    the norm, experts (on the CPU both run LOOKUP 1: resolve_lookup)."""
+    code = nf4_code(DEVICE)
+    w = _random_nf4(None, 64, 256, nested, seed=80)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256, generator=_gen(81)).to(DEVICE, torch.bfloat16)
+        runs = [nf4_linear(x, w.packed, w.absmax, code, 64, 256, config=NF4LinearConfig(
+            use_dot=False, lookup=lookup, x_pairs=x_pairs), **_linear_args(w)) for lookup in (1, 4)]
+        assert torch.equal(runs[0], runs[1])
+    norm_weight = torch.rand(256, generator=_gen(82)).to(DEVICE, torch.bfloat16) + 0.5
+    normed = [nf4_add_rms_norm_linear_group(x[:1], x[:1], norm_weight, 1e-6, [w, w], code, NF4LinearConfig(
+        lookup=lookup, x_pairs=x_pairs))[1] for lookup in (1, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(*normed))
+    gate_up, down = _random_nf4(4, 128, 128, nested, seed=83), _random_nf4(4, 128, 64, nested, seed=84)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 128, generator=_gen(85)).to(DEVICE, torch.bfloat16)
+        index = torch.rand(tokens, 4, generator=_gen(86)).topk(2, dim=-1).indices.to(DEVICE)
+        weights = torch.rand(tokens, 2, generator=_gen(87)).to(DEVICE, torch.bfloat16)
+        runs = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
+            use_dot=False, gate_up_block_n=16, down_block_n=16, block_k=128, lookup=lookup, x_pairs=x_pairs))
+            for lookup in (1, 4)]
+        assert torch.equal(runs[0], runs[1])
+
+
+def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
+    """LOOKUP 4 is PTX: on the CPU and under Triton's interpreter the launch takes LOOKUP 1 (the same values)."""
+    assert resolve_lookup(4, torch.device("cpu")) == 1
+    assert resolve_lookup(3, torch.device("cpu")) == 3
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_lookup(4, torch.device("cuda")) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert resolve_lookup(4, torch.device("cuda")) == 4
 
 
 @pytest.mark.parametrize("dtype, block_n", [(torch.float16, 8), (torch.bfloat16, 2), (torch.float32, 8)])
