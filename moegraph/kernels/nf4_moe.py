@@ -43,6 +43,8 @@ BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in fligh
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
 LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
+# LOOKUP 4 (warp shuffles, CUDA only): no shared memory in the loop; untimed, so not the default (ab_decode's
+# switch nf4_shuffle, tools/gpu_checks.sh nf4_shuffle)
 # 1 token: LOOKUP 3 (both nibbles in one gather) and X_PAIRS (x read as pairs in the weight tile's layout) take the
 # loop from 12 shared-memory barriers a step to 4 (tools/sass_report.py) but were no faster on the H100: 25.6 us
 # with both against 23.6 (benchmarks/results/nf4_kernels_h100_2026-12-05.txt)
