@@ -99,6 +99,8 @@ def main():
             quantize_experts(model)
             torch.cuda.empty_cache()
         used = [n for n in names if weights == "nf4" or not SWITCHES[n][2]]
+        if not used:  # only NF4 switches asked for: no bf16 rows
+            continue
         for label, switched in [(n, [n]) for n in used] + [("all", used)]:
             rows = tables.setdefault(label, [])
             for bs in sizes:

@@ -12,7 +12,7 @@
 #   ab            ~9 min  the untimed switches, decode A/B
 #   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
 #   short         ~7.5 min  with little device time: a sample of each of the above but ab
-#   nf4_shuffle   ~8 min  the warp-shuffle NF4 lookup: same bits, kernel and decode timings, graph == eager
+#   nf4_shuffle   ~6 min  the warp-shuffle NF4 lookup: same bits, kernel and decode timings, graph == eager
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -91,13 +91,13 @@ stage() {
             tests/test_nf4_cuda.py tests/test_robustness_cuda.py
         ;;
     nf4_shuffle)  # issue 8: the warp-shuffle code lookup (LOOKUP 4): its bits, its kernels' time, the decode step
-        step 90 gpu_tests_shuffle python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_nf4_kernels.py \
+        step 60 gpu_tests_shuffle python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_nf4_kernels.py \
             -k "lookup or shuffle or pairs"
-        step 130 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py --only moe \
+        step 100 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py --only moe \
             --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs"
-        step 200 ab_shuffle bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shuffle \
+        step 120 ab_shuffle bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shuffle \
             --batch-sizes 1,8 --runs 2"
-        step 120 gpu_tests_nf4_shuffle python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
+        step 100 gpu_tests_nf4_shuffle python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
 ab_decode._nf4_shuffle(True)  # the NF4 graph == eager tests with every NF4 loop on the shuffle lookup
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py']))"
         ;;
