@@ -93,13 +93,13 @@ stage() {
     nf4_shuffle)  # issue 8: the warp-shuffle code lookup (LOOKUP 4): its bits, its kernels' time, the decode step
         step 60 gpu_tests_shuffle python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_nf4_kernels.py \
             -k "lookup or shuffle or pairs"
-        step 100 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py --only moe \
-            --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs"
         step 120 ab_shuffle bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shuffle \
             --batch-sizes 1,8 --runs 2"
         step 100 gpu_tests_nf4_shuffle python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
 ab_decode._nf4_shuffle(True)  # the NF4 graph == eager tests with every NF4 loop on the shuffle lookup
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py']))"
+        step 100 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py --only moe \
+            --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs"
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle)" >&2
