@@ -208,12 +208,13 @@ def test_every_code_lookup(lookup, use_dot):
     assert _rel(got, fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)) < 2e-4
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="LOOKUP 4 is PTX; elsewhere both launches run LOOKUP 1")
 @pytest.mark.parametrize("x_pairs", [False, True])
 @pytest.mark.parametrize("nested", [False, True])
 def test_shuffle_lookup_gives_the_same_bits(nested, x_pairs):
     """LOOKUP 4 reads the same float32 code values by warp shuffles instead of shared memory: everything after the
     lookup is the same, so the outputs equal LOOKUP 1's bit for bit, one row and several, GEMV, q/k/v group with
-    the norm, experts (on the CPU both run LOOKUP 1: resolve_lookup)."""
+    the norm, experts."""
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 64, 256, nested, seed=80)
     for rows in (1, 3):
