@@ -16,9 +16,10 @@ Switches (each a module-level choice that a new patch's captures read):
 - align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
 - nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
   weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only;
-- nf4_shuffle: every NF4 loop's code table read by warp shuffles (LOOKUP 4), x as pairs at one token; NF4 rows only.
+- nf4_shuffle: every NF4 loop's code table read by warp shuffles, a 32-bit word of weights at a time where it can
+  (LOOKUP 5, else 4); NF4 rows only.
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
-flip a near-tie (another summation order); pair_combine, lookup3, x_pairs and shuffle give the same bits.
+flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits (shuffle: another summation order).
 """
 
 import argparse
@@ -61,12 +62,11 @@ def _nf4_x_pairs(on: bool) -> None:
 
 
 def _nf4_shuffle(on: bool) -> None:
-    """Every NF4 multiply-add loop on the warp-shuffle lookup; one token reads x as pairs with it (the form with no
-    shared memory in the loop, tools/sass_report.py). Off: the defaults before it."""
-    nf4_moe.LOOKUP = nf4_moe.FEW_TOKENS_LOOKUP = nf4_gemv.LOOKUP = 4 if on else 1
+    """Every NF4 loop on the warp-shuffle lookups: a 32-bit word of weights at a time (LOOKUP 5) where x is 16-bit
+    and no norm runs in front, per nibble (4) elsewhere. Off: the defaults before them."""
+    nf4_moe.LOOKUP = nf4_moe.FEW_TOKENS_LOOKUP = nf4_gemv.LOOKUP = 5 if on else 1
     if not on:
         nf4_moe.FEW_TOKENS_LOOKUP = 3
-    nf4_moe.X_PAIRS = on
 
 
 # name -> (setter, default state, NF4 rows only)

@@ -236,7 +236,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "align_histogram": lambda: fused_moe.ALIGN_METHOD,
                "nf4_lookup3": lambda: (nf4_moe.LOOKUP, nf4_gemv.LOOKUP),
                "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS),
-               "nf4_shuffle": lambda: (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_gemv.LOOKUP, nf4_moe.X_PAIRS)}
+               "nf4_shuffle": lambda: (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_gemv.LOOKUP)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),

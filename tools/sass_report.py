@@ -220,11 +220,11 @@ def main(argv=None):
     moe = {"lookup1": M(), "lookup3": M(lookup=3), "x_pairs": M(x_pairs=True), "lookup3+x_pairs": M(lookup=3,
                                                                                                     x_pairs=True),
            "lookup3+x_pairs+combine": M(lookup=3, x_pairs=True, combine=True),
-           "lookup4": M(lookup=4), "lookup4+x_pairs": M(lookup=4, x_pairs=True),
+           "lookup4": M(lookup=4), "lookup4+x_pairs": M(lookup=4, x_pairs=True), "lookup5": M(lookup=5),
            "thin 4/4 bk2048 w2 lookup3+x_pairs": M(gate_up_block_n=4, down_block_n=4, block_k=2048, num_warps=2,
                                                    lookup=3, x_pairs=True)}
     linear = {"lookup1": L(), "lookup3+x_pairs": L(lookup=3, x_pairs=True), "lookup4": L(lookup=4),
-              "lookup4+x_pairs": L(lookup=4, x_pairs=True)}
+              "lookup4+x_pairs": L(lookup=4, x_pairs=True), "lookup5": L(lookup=5)}
     if args.configs:
         keep = set(args.configs.split(","))
         moe, linear = ({k: v for k, v in table.items() if k in keep} for table in (moe, linear))
@@ -233,7 +233,7 @@ def main(argv=None):
           f"lookup {nf4_moe.LOOKUP}, x_pairs {nf4_moe.X_PAIRS}, combine {nf4_moe.PAIR_COMBINE}")
     rows = []
     if args.only in (None, "gate_up", "experts"):
-        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs", "lookup4+x_pairs") if k in moe}
+        few = {k: moe[k] for k in ("lookup1", "lookup3+x_pairs", "lookup4+x_pairs", "lookup5") if k in moe}
         rows += list(moe_rows(1, moe, args.dump, args.only == "gate_up"))
         rows += list(moe_rows(8, few, args.dump, args.only == "gate_up"))
     if args.only in (None, "qkv"):

@@ -77,6 +77,58 @@ _SHUFFLE_LOOKUP_ASM = tl.constexpr("""{
     shfl.sync.idx.b32 $7, $9, s6, 31, 0xffffffff;
 }""")
 
+# LOOKUP 5: one word ($1: 8 weights, element 2i in the high nibble of byte i) dotted with its 8 x values ($3: x0-x3,
+# $4: x4-x7, 16-bit each, x0 in the low bits) in float32, in column order; $2: the lane's table value (LOOKUP 4).
+_WORD_CODES = """
+    shr.b32 s0, $1, 4;
+    shr.b32 s1, $1, 12;
+    shr.b32 s2, $1, 8;
+    shr.b32 s3, $1, 20;
+    shr.b32 s4, $1, 16;
+    shr.b32 s5, $1, 28;
+    shr.b32 s6, $1, 24;
+    shfl.sync.idx.b32 c0, $2, s0, 31, 0xffffffff;
+    shfl.sync.idx.b32 c1, $2, $1, 31, 0xffffffff;
+    shfl.sync.idx.b32 c2, $2, s1, 31, 0xffffffff;
+    shfl.sync.idx.b32 c3, $2, s2, 31, 0xffffffff;
+    shfl.sync.idx.b32 c4, $2, s3, 31, 0xffffffff;
+    shfl.sync.idx.b32 c5, $2, s4, 31, 0xffffffff;
+    shfl.sync.idx.b32 c6, $2, s5, 31, 0xffffffff;
+    shfl.sync.idx.b32 c7, $2, s6, 31, 0xffffffff;
+"""
+_WORD_SUM = """
+    mul.rn.f32 $0, c0, x0;
+    fma.rn.f32 $0, c1, x1, $0;
+    fma.rn.f32 $0, c2, x2, $0;
+    fma.rn.f32 $0, c3, x3, $0;
+    fma.rn.f32 $0, c4, x4, $0;
+    fma.rn.f32 $0, c5, x5, $0;
+    fma.rn.f32 $0, c6, x6, $0;
+    fma.rn.f32 $0, c7, x7, $0;
+"""
+_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;" + _WORD_CODES + """
+    mov.b64 {lo, hi}, $3;
+    shl.b32 x0, lo, 16;
+    and.b32 x1, lo, 0xffff0000;
+    shl.b32 x2, hi, 16;
+    and.b32 x3, hi, 0xffff0000;
+    mov.b64 {lo, hi}, $4;
+    shl.b32 x4, lo, 16;
+    and.b32 x5, lo, 0xffff0000;
+    shl.b32 x6, hi, 16;
+    and.b32 x7, hi, 0xffff0000;""" + _WORD_SUM + "}")
+_WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;" + _WORD_CODES + """
+    mov.b64 {h0, h1, h2, h3}, $3;
+    mov.b64 {h4, h5, h6, h7}, $4;
+    cvt.f32.f16 x0, h0;
+    cvt.f32.f16 x1, h1;
+    cvt.f32.f16 x2, h2;
+    cvt.f32.f16 x3, h3;
+    cvt.f32.f16 x4, h4;
+    cvt.f32.f16 x5, h5;
+    cvt.f32.f16 x6, h6;
+    cvt.f32.f16 x7, h7;""" + _WORD_SUM + "}")
+
 
 def nf4_code(device) -> torch.Tensor:
     """The NF4 table as the kernels take it: float32 [16] on `device`."""
@@ -171,15 +223,19 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
                    experts, rows, cols, True)
 
 
-LOOKUPS = (0, 1, 2, 3, 4)  # the forms of the code table (_nf4_codes)
-LOOKUP_SHUFFLE = 4  # the form that only compiles for a GPU (PTX warp shuffles): resolve_lookup takes it elsewhere
+LOOKUPS = (0, 1, 2, 3, 4, 5)  # the forms of the code table (_nf4_codes; 5: _nf4_matmul_words)
+LOOKUP_SHUFFLE = 4  # from here on the forms are PTX (warp shuffles): resolve_lookup takes LOOKUP 1 off CUDA
+LOOKUP_WORDS = 5  # LOOKUP 4 with the weights read as 32-bit words and x as 64-bit ones (_nf4_matmul_words)
 
 
-def resolve_lookup(lookup: int, device: torch.device, fallback: int = 1) -> int:
-    """The lookup a launch on `device` runs: LOOKUP_SHUFFLE where its PTX runs (CUDA, not Triton's interpreter),
-    else `fallback`, which computes the same values."""
-    if lookup == LOOKUP_SHUFFLE and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        return fallback
+def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
+    """The lookup a launch on activations x and weight bytes `packed` (each) runs: the PTX forms on CUDA only (not under
+    Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS only where x starts on 8 bytes and the bytes on 4 (their
+    word loads), else LOOKUP_SHUFFLE. All give the same values; 5 sums each word's 8 products first."""
+    if lookup >= LOOKUP_SHUFFLE and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return 1
+    if lookup == LOOKUP_WORDS and (x.data_ptr() % 8 or any(p.data_ptr() % 4 for p in packed)):
+        return LOOKUP_SHUFFLE
     return lookup
 
 
@@ -187,7 +243,7 @@ def check_lookup(op: str, lookup: int) -> int:
     if lookup not in LOOKUPS:
         raise InvalidArgumentError(f"{op}: lookup={lookup!r} is not one of {LOOKUPS} (the code table's forms: "
                                    "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather, "
-                                   "4 warp shuffles from a table held one value a lane)")
+                                   "4 warp shuffles from a table held one value a lane, 5 as 4 a 32-bit word at a time)")
     return lookup
 
 
@@ -344,6 +400,30 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
                 HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False):
+    """_nf4_matmul_bytes, or with LOOKUP 5 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
+    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4."""
+    WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
+                           and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
+    if WORDS:
+        acc, acc2 = _nf4_matmul_words(x_ptr, x_rows, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                      code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K,
+                                      NESTED, EXACT_MUL, TWO)
+    else:
+        acc, acc2 = _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
+                                      offset_ptr, code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL,
+                                      4 if LOOKUP == 5 else LOOKUP, TWO, res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD,
+                                      X_PAIRS)
+    return acc, acc2
+
+
+@triton.jit
+def _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                      code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                      DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr,
+                      LOOKUP: tl.constexpr, TWO: tl.constexpr, res_ptr, nw_ptr, inv_rms, NORM: tl.constexpr,
+                      HAS_ADD: tl.constexpr, X_PAIRS: tl.constexpr):
     """W[rows, 2 kb_start : 2 kb_end] @ x[x_rows, same columns]^T in float32 (and the same for rows2 when TWO,
     sharing the x loads: gate and up); x [*, K = 2 row_bytes] row-major. Returns (acc, acc2), acc2 = acc if not TWO.
     NORM: x is the RMSNorm of (residual at res_ptr +) x, weight nw_ptr, normalized here slice by slice (gemv.py's
@@ -429,6 +509,68 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         acc = tl.sum(acc, axis=1)
         acc2 = tl.sum(acc2, axis=1)
     return acc, acc2
+
+
+@triton.jit
+def _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask, kb, kb_end,
+                    row_bytes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NESTED: tl.constexpr,
+                    EXACT_MUL: tl.constexpr):
+    """_nf4_load of whole 64-block rows as 32-bit words: W[rows, 2 kb : 2 kb + BLOCK_K] as [BLOCK_N, BLOCK_K // 8]
+    int32 (word j: bytes 4j..4j+3, byte i in bits 8i..8i+7) and its absmax broadcast to the words."""
+    Q: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 64
+    word = kb // 4 + tl.arange(0, Q)
+    words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (row_bytes // 4) + word[None, :],
+                    mask=row_mask[:, None] & (word < kb_end // 4)[None, :], other=0)
+    group = kb // 32 + tl.arange(0, G)
+    absmax = _nf4_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                         rows[:, None] * (row_bytes // 32) + group[None, :],
+                         row_mask[:, None] & (group < kb_end // 32)[None, :], NESTED, EXACT_MUL)
+    return words, tl.reshape(tl.broadcast_to(absmax[:, :, None], [BLOCK_N, G, 8]), [BLOCK_N, Q])
+
+
+@triton.jit
+def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
+                      rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr):
+    """The multiply-add path of _nf4_matmul_bytes (one row x_row of 16-bit x) a 32-bit word at a time: one asm per
+    word of 8 weights shuffles their code values out of the lane table, reads their 8 x values (16 bytes, two
+    64-bit L1 loads in the tile's layout) and sums the 8 products in float32 (in column order); the absmax scales
+    each word's sum. Returns ([BLOCK_N], [BLOCK_N]) as _nf4_matmul."""
+    Q: tl.constexpr = BLOCK_K // 8
+    HALF: tl.constexpr = BLOCK_K // 2
+    table = _nf4_table(code_ptr, 4, BLOCK_N, BLOCK_K // 4)  # [BLOCK_N, Q]
+    x_words = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.pointer_type(tl.int64))  # 4 x values a word
+    ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
+    acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
+    acc2 = acc
+    words, absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
+                                    kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+    words2, absmax2 = words, absmax
+    if TWO:
+        words2, absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
+                                          row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+    for kb in range(kb_start, kb_end, HALF):
+        next_words, next_absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                                  rows, row_mask, kb + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K,
+                                                  NESTED, EXACT_MUL)
+        if TWO:
+            next_words2, next_absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
+                                                        offset_ptr, rows2, row_mask, kb + HALF, kb_end, row_bytes,
+                                                        BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+        word = kb // 4 + tl.arange(0, Q)
+        at = 2 * word[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)  # x of word j: 64-bit words 2j, 2j + 1
+        x_mask = (word < kb_end // 4)[None, :]
+        x_low = tl.load(x_words + at, mask=x_mask, other=0)
+        x_high = tl.load(x_words + at + 1, mask=x_mask, other=0)
+        acc += tl.inline_asm_elementwise(ASM, "=r,r,r,l,l", [words, table, x_low, x_high], dtype=tl.float32,
+                                         is_pure=True, pack=1) * absmax
+        words, absmax = next_words, next_absmax
+        if TWO:
+            acc2 += tl.inline_asm_elementwise(ASM, "=r,r,r,l,l", [words2, table, x_low, x_high], dtype=tl.float32,
+                                              is_pure=True, pack=1) * absmax2
+            words2, absmax2 = next_words2, next_absmax2
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 @triton.jit

@@ -252,7 +252,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        LOOKUP=resolve_lookup(cfg.lookup, x.device), X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
+        LOOKUP=resolve_lookup(cfg.lookup, x, w.packed), X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
@@ -337,7 +337,7 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None,
-        LOOKUP=resolve_lookup(cfg.lookup, x.device), NORM=norm is not None, HAS_ADD=residual is not None,
+        LOOKUP=resolve_lookup(cfg.lookup, x, *(v.packed for v in views)), NORM=norm is not None, HAS_ADD=residual is not None,
         X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
     return outs
 

@@ -43,8 +43,9 @@ BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in fligh
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
 LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
-# LOOKUP 4 (warp shuffles, CUDA only): no shared memory in the loop; untimed, so not the default (ab_decode's
-# switch nf4_shuffle, tools/gpu_checks.sh nf4_shuffle)
+# LOOKUP 4 (warp shuffles, CUDA only): no shared memory in the loop; 5: the same a 32-bit word of weights at a time
+# (sm_90 SASS, one token: 4.7 instructions a weight against 7.4); untimed, so not the default (ab_decode's switch
+# nf4_shuffle, tools/gpu_checks.sh nf4_shuffle)
 # 1 token: LOOKUP 3 (both nibbles in one gather) and X_PAIRS (x read as pairs in the weight tile's layout) take the
 # loop from 12 shared-memory barriers a step to 4 (tools/sass_report.py) but were no faster on the H100: 25.6 us
 # with both against 23.6 (benchmarks/results/nf4_kernels_h100_2026-12-05.txt)
@@ -206,7 +207,7 @@ def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim:
         act, experts, top_k_weights.contiguous(), out, dn.packed, dn.absmax, dn.nested_code, dn.nested_absmax,
         dn.offset, code, hidden_dim, dn.cols // 2, dn.packed.stride(0), dn.absmax.stride(0), dn.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
-        EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=resolve_lookup(cfg.lookup, out.device),
+        EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=resolve_lookup(cfg.lookup, act, dn.packed),
         X_PAIRS=pairs_readable(act, cfg.x_pairs),
         **_launch_options(cfg, False, cfg.down_block_n, out.device))
     return out
@@ -222,7 +223,7 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
         TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
-        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=resolve_lookup(cfg.lookup, out.device),
+        EXACT_MUL=out.is_cuda and w.nested, LOOKUP=resolve_lookup(cfg.lookup, inputs, w.packed),
         X_PAIRS=pairs_readable(inputs, cfg.x_pairs),
         **launch)
 

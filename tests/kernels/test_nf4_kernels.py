@@ -189,10 +189,10 @@ def test_fused_moe_experts_nf4(use_dot, nested, dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("lookup", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("lookup", [0, 1, 2, 3, 4, 5])
 def test_every_code_lookup(lookup, use_dot):
     """The forms of the 16-entry code table (L1 gather, shared 16 values gathered per nibble or for both at once,
-    shared 256 byte pairs, warp shuffles: on CUDA only, 1 elsewhere) agree."""
+    shared 256 byte pairs, warp shuffles per nibble or a word at a time: on CUDA only, 1 elsewhere) agree."""
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 48, 128, True, seed=40)
     x = torch.randn(3, 128, generator=_gen(41)).to(DEVICE, torch.float16)
@@ -238,13 +238,26 @@ def test_shuffle_lookup_gives_the_same_bits(nested, x_pairs):
 
 
 def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
-    """LOOKUP 4 is PTX: on the CPU and under Triton's interpreter the launch takes LOOKUP 1 (the same values)."""
-    assert resolve_lookup(4, torch.device("cpu")) == 1
-    assert resolve_lookup(3, torch.device("cpu")) == 3
+    """LOOKUP 4 and 5 are PTX: on the CPU and under Triton's interpreter the launch takes LOOKUP 1 (the same
+    values); 5 needs x on 8 bytes and the weight bytes on 4 (its word loads), else it runs as 4."""
+    x, packed = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.uint8)
+    assert resolve_lookup(4, x, packed) == 1 and resolve_lookup(5, x, packed) == 1
+    assert resolve_lookup(3, x, packed) == 3
+
+    class OnCuda:  # what resolve_lookup reads of a CUDA tensor at an address
+        def __init__(self, address):
+            self.device, self.address = torch.device("cuda"), address
+
+        def data_ptr(self):
+            return self.address
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_lookup(4, torch.device("cuda")) == 1
+    assert resolve_lookup(4, OnCuda(0), OnCuda(0)) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert resolve_lookup(4, torch.device("cuda")) == 4
+    assert resolve_lookup(4, OnCuda(0), OnCuda(0)) == 4
+    assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(4)) == 5
+    assert resolve_lookup(5, OnCuda(2), OnCuda(0)) == 4  # x a view 2 bytes in
+    assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(2)) == 4
 
 
 @pytest.mark.parametrize("dtype, block_n", [(torch.float16, 8), (torch.bfloat16, 2), (torch.float32, 8)])
