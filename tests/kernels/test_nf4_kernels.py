@@ -416,10 +416,10 @@ def test_wrong_inputs_raise_with_what_was_found():
     with pytest.raises(InvalidArgumentError, match="lookup=7 is not one of"):
         nf4_linear(x, w.packed, w.absmax, nf4_code(DEVICE), 32, 128, config=NF4LinearConfig(lookup=7))
     experts = _random_nf4(2, 64, 128, nested=False, seed=12)
-    with pytest.raises(InvalidArgumentError, match="lookup=5 is not one of"):
+    with pytest.raises(InvalidArgumentError, match="lookup=6 is not one of"):
         fused_moe_experts_nf4(x, torch.zeros(1, 1, dtype=torch.long, device=DEVICE), torch.ones(1, 1, device=DEVICE),
                               experts, _random_nf4(2, 128, 32, nested=False, seed=13), nf4_code(DEVICE), moe_combine,
-                              NF4MoEConfig(lookup=5))
+                              NF4MoEConfig(lookup=6))
 
 
 @pytest.mark.parametrize("nested", [False, True])
