@@ -55,6 +55,7 @@ LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at 
     # the code table read by warp shuffles: no shared memory in the loop
     "auto lookup4": L(lookup=4),
     "auto lookup4 pairs": L(lookup=4, x_pairs=True),
+    "auto lookup5": L(lookup=5),  # a 32-bit word of weights a time
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
@@ -84,6 +85,7 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma lookup4": C(use_dot=False, lookup=4),
     "fma lookup4 pairs": C(use_dot=False, lookup=4, x_pairs=True),
     "dot lookup4": C(use_dot=True, lookup=4),
+    "fma lookup5": C(use_dot=False, lookup=5),
     # tensor cores (each expert dequantized once per step, not once per pair) below DOT_MIN_TOKENS too
     "dot lookup3": C(use_dot=True, lookup=3),
     # 8 warps: the gate_up tile's registers without spills (4 warps: 122 spill instructions, tools/sass_report.py)

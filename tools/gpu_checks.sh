@@ -12,7 +12,7 @@
 #   ab            ~9 min  the untimed switches, decode A/B
 #   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
 #   short         ~7.5 min  with little device time: a sample of each of the above but ab
-#   nf4_shuffle   ~6 min  the warp-shuffle NF4 lookup: same bits, kernel and decode timings, graph == eager
+#   nf4_shuffle   ~7 min  the warp-shuffle NF4 lookups (4, 5): their values, decode and kernel timings, graph == eager
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -90,7 +90,7 @@ stage() {
         step 200 gpu_tests_done11 python3 -m pytest -q -p no:cacheprovider -rf tests/test_generate_cuda.py \
             tests/test_nf4_cuda.py tests/test_robustness_cuda.py
         ;;
-    nf4_shuffle)  # issue 8: the warp-shuffle code lookup (LOOKUP 4): its bits, its kernels' time, the decode step
+    nf4_shuffle)  # issue 8: the warp-shuffle code lookups (LOOKUP 4, 5): their values, the decode step, kernel times
         step 60 gpu_tests_shuffle python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_nf4_kernels.py \
             -k "lookup or shuffle or pairs"
         step 120 ab_shuffle bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shuffle \
@@ -98,8 +98,8 @@ stage() {
         step 100 gpu_tests_nf4_shuffle python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
 ab_decode._nf4_shuffle(True)  # the NF4 graph == eager tests with every NF4 loop on the shuffle lookup
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py']))"
-        step 100 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py --only moe \
-            --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs"
+        step 150 nf4_kernels_shuffle python3 benchmarks/nf4_kernels.py \
+            --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs,fma lookup5,auto lookup4,auto lookup5"
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle)" >&2
