@@ -77,8 +77,9 @@ _SHUFFLE_LOOKUP_ASM = tl.constexpr("""{
     shfl.sync.idx.b32 $7, $9, s6, 31, 0xffffffff;
 }""")
 
-# LOOKUP 5: one word ($1: 8 weights, element 2i in the high nibble of byte i) dotted with its 8 x values ($3: x0-x3,
-# $4: x4-x7, 16-bit each, x0 in the low bits) in float32, in column order; $2: the lane's table value (LOOKUP 4).
+# LOOKUP 5: one word ($1: 8 weights, element 2i in the high nibble of byte i) dotted with its 8 x values (16-bit
+# each, loaded from the 16 bytes at $3, x0 in the low bits) in float32, in column order; $2: the lane's table value
+# (LOOKUP 4).
 _WORD_CODES = """
     shr.b32 s0, $1, 4;
     shr.b32 s1, $1, 12;
@@ -106,20 +107,23 @@ _WORD_SUM = """
     fma.rn.f32 $0, c6, x6, $0;
     fma.rn.f32 $0, c7, x7, $0;
 """
-_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;" + _WORD_CODES + """
-    mov.b64 {lo, hi}, $3;
+_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n    .reg .b64 xl, xh;" + _WORD_CODES + """
+    ld.global.nc.v2.b64 {xl, xh}, [$3];
+    mov.b64 {lo, hi}, xl;
     shl.b32 x0, lo, 16;
     and.b32 x1, lo, 0xffff0000;
     shl.b32 x2, hi, 16;
     and.b32 x3, hi, 0xffff0000;
-    mov.b64 {lo, hi}, $4;
+    mov.b64 {lo, hi}, xh;
     shl.b32 x4, lo, 16;
     and.b32 x5, lo, 0xffff0000;
     shl.b32 x6, hi, 16;
     and.b32 x7, hi, 0xffff0000;""" + _WORD_SUM + "}")
-_WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;" + _WORD_CODES + """
-    mov.b64 {h0, h1, h2, h3}, $3;
-    mov.b64 {h4, h5, h6, h7}, $4;
+_WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;\n    .reg .b64 xl, xh;"
+                                  + _WORD_CODES + """
+    ld.global.nc.v2.b64 {xl, xh}, [$3];
+    mov.b64 {h0, h1, h2, h3}, xl;
+    mov.b64 {h4, h5, h6, h7}, xh;
     cvt.f32.f16 x0, h0;
     cvt.f32.f16 x1, h1;
     cvt.f32.f16 x2, h2;
@@ -230,11 +234,11 @@ LOOKUP_WORDS = 5  # LOOKUP 4 with the weights read as 32-bit words and x as 64-b
 
 def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
     """The lookup a launch on activations x and weight bytes `packed` (each) runs: the PTX forms on CUDA only (not under
-    Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS only where x starts on 8 bytes and the bytes on 4 (their
+    Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS only where x starts on 16 bytes and the bytes on 4 (their
     word loads), else LOOKUP_SHUFFLE. All give the same values; 5 sums each word's 8 products first."""
     if lookup >= LOOKUP_SHUFFLE and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return 1
-    if lookup == LOOKUP_WORDS and (x.data_ptr() % 8 or any(p.data_ptr() % 4 for p in packed)):
+    if lookup == LOOKUP_WORDS and (x.data_ptr() % 16 or any(p.data_ptr() % 4 for p in packed)):
         return LOOKUP_SHUFFLE
     return lookup
 
@@ -534,13 +538,14 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
                       rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr):
     """The multiply-add path of _nf4_matmul_bytes (one row x_row of 16-bit x) a 32-bit word at a time: one asm per
-    word of 8 weights shuffles their code values out of the lane table, reads their 8 x values (16 bytes, two
-    64-bit L1 loads in the tile's layout) and sums the 8 products in float32 (in column order); the absmax scales
-    each word's sum. Returns ([BLOCK_N], [BLOCK_N]) as _nf4_matmul."""
+    word of 8 weights shuffles their code values out of the lane table, loads their 8 x values (16 bytes, L1 hits)
+    and sums the 8 products in float32 (in column order); the absmax scales each word's sum. Not "pure": its x
+    load must stay after the kernel's wait on the kernel before it (PDL). Returns ([BLOCK_N], [BLOCK_N]) as
+    _nf4_matmul."""
     Q: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
     table = _nf4_table(code_ptr, 4, BLOCK_N, BLOCK_K // 4)  # [BLOCK_N, Q]
-    x_words = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.pointer_type(tl.int64))  # 4 x values a word
+    x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
     ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
     acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
     acc2 = acc
@@ -558,17 +563,18 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
             next_words2, next_absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
                                                         offset_ptr, rows2, row_mask, kb + HALF, kb_end, row_bytes,
                                                         BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+        # x of word j: bytes 16 j .. 16 j + 15 of the row, loaded inside the asm (a load here would take its own
+        # layout and move the word tile between threads each step); past the row's end the row start (finite
+        # values that a zero absmax cancels)
         word = kb // 4 + tl.arange(0, Q)
-        at = 2 * word[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)  # x of word j: 64-bit words 2j, 2j + 1
-        x_mask = (word < kb_end // 4)[None, :]
-        x_low = tl.load(x_words + at, mask=x_mask, other=0)
-        x_high = tl.load(x_words + at + 1, mask=x_mask, other=0)
-        acc += tl.inline_asm_elementwise(ASM, "=r,r,r,l,l", [words, table, x_low, x_high], dtype=tl.float32,
-                                         is_pure=True, pack=1) * absmax
+        x_at = tl.where((word < kb_end // 4)[None, :], x_row_at + 16 * word.to(tl.int64)[None, :],
+                        x_row_at + tl.zeros([BLOCK_N, Q], dtype=tl.int64))
+        acc += tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words, table, x_at], dtype=tl.float32, is_pure=False,
+                                         pack=1) * absmax
         words, absmax = next_words, next_absmax
         if TWO:
-            acc2 += tl.inline_asm_elementwise(ASM, "=r,r,r,l,l", [words2, table, x_low, x_high], dtype=tl.float32,
-                                              is_pure=True, pack=1) * absmax2
+            acc2 += tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words2, table, x_at], dtype=tl.float32,
+                                              is_pure=False, pack=1) * absmax2
             words2, absmax2 = next_words2, next_absmax2
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 

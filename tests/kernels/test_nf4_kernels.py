@@ -239,7 +239,7 @@ def test_shuffle_lookup_gives_the_same_bits(nested, x_pairs):
 
 def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
     """LOOKUP 4 and 5 are PTX: on the CPU and under Triton's interpreter the launch takes LOOKUP 1 (the same
-    values); 5 needs x on 8 bytes and the weight bytes on 4 (its word loads), else it runs as 4."""
+    values); 5 needs x on 16 bytes and the weight bytes on 4 (its word loads), else it runs as 4."""
     x, packed = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.uint8)
     assert resolve_lookup(4, x, packed) == 1 and resolve_lookup(5, x, packed) == 1
     assert resolve_lookup(3, x, packed) == 3
@@ -256,7 +256,7 @@ def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert resolve_lookup(4, OnCuda(0), OnCuda(0)) == 4
     assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(4)) == 5
-    assert resolve_lookup(5, OnCuda(2), OnCuda(0)) == 4  # x a view 2 bytes in
+    assert resolve_lookup(5, OnCuda(8), OnCuda(0)) == 4  # x a view 8 bytes in: its 16-byte loads
     assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(2)) == 4
 
 
