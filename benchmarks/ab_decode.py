@@ -19,7 +19,8 @@ Switches (each a module-level choice that a new patch's captures read):
 - nf4_shuffle: every NF4 loop's code table read by warp shuffles, a 32-bit word of weights at a time where it can
   (LOOKUP 5, else 4); NF4 rows only.
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
-flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits (shuffle: another summation order).
+flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits; shuffle sums a word
+of 8 products first (another order).
 """
 
 import argparse

@@ -107,7 +107,8 @@ _WORD_SUM = """
     fma.rn.f32 $0, c6, x6, $0;
     fma.rn.f32 $0, c7, x7, $0;
 """
-_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n    .reg .b64 xl, xh;" + _WORD_CODES + """
+_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n    .reg .b64 xl, xh;"
+                                  + _WORD_CODES + """
     ld.global.nc.v2.b64 {xl, xh}, [$3];
     mov.b64 {lo, hi}, xl;
     shl.b32 x0, lo, 16;
@@ -229,17 +230,24 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
 
 LOOKUPS = (0, 1, 2, 3, 4, 5)  # the forms of the code table (_nf4_codes; 5: _nf4_matmul_words)
 LOOKUP_SHUFFLE = 4  # from here on the forms are PTX (warp shuffles): resolve_lookup takes LOOKUP 1 off CUDA
-LOOKUP_WORDS = 5  # LOOKUP 4 with the weights read as 32-bit words and x as 64-bit ones (_nf4_matmul_words)
+LOOKUP_WORDS = 5  # LOOKUP 4 a 32-bit word of weights at a time (_nf4_matmul_words)
+# Triton's interpreter runs no PTX: the word asm's arithmetic is emulated there (_word_dot)
+_EMULATE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
-    """The lookup a launch on activations x and weight bytes `packed` (each) runs: the PTX forms on CUDA only (not under
-    Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS only where x starts on 16 bytes and the bytes on 4 (their
-    word loads), else LOOKUP_SHUFFLE. All give the same values; 5 sums each word's 8 products first."""
-    if lookup >= LOOKUP_SHUFFLE and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    """The lookup a launch on activations x and weight bytes `packed` (each) runs: LOOKUP_SHUFFLE on CUDA only (not
+    under Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS on CUDA or interpreted (its asm then emulated), where x
+    starts on 16 bytes and the bytes on 4 (its loads), else the shuffle (or 1). All give the same values; 5 sums
+    each word's 8 products first."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    native = x.device.type == "cuda" and not interpreted
+    if lookup == LOOKUP_WORDS and (native or interpreted):
+        if x.data_ptr() % 16 == 0 and all(p.data_ptr() % 4 == 0 for p in packed):
+            return lookup
+        lookup = LOOKUP_SHUFFLE
+    if lookup >= LOOKUP_SHUFFLE and not native:
         return 1
-    if lookup == LOOKUP_WORDS and (x.data_ptr() % 16 or any(p.data_ptr() % 4 for p in packed)):
-        return LOOKUP_SHUFFLE
     return lookup
 
 
@@ -247,7 +255,8 @@ def check_lookup(op: str, lookup: int) -> int:
     if lookup not in LOOKUPS:
         raise InvalidArgumentError(f"{op}: lookup={lookup!r} is not one of {LOOKUPS} (the code table's forms: "
                                    "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather, "
-                                   "4 warp shuffles from a table held one value a lane, 5 as 4 a 32-bit word at a time)")
+                                   "4 warp shuffles from a table held one value a lane, 5 as 4 a 32-bit word a "
+                                   "time)")
     return lookup
 
 
@@ -405,7 +414,7 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
                 HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False):
     """_nf4_matmul_bytes, or with LOOKUP 5 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
-    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4."""
+    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4 (1 under the interpreter)."""
     WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
                            and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
     if WORDS:
@@ -416,7 +425,8 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
         acc, acc2 = _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
                                       offset_ptr, code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE,
                                       BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL,
-                                      4 if LOOKUP == 5 else LOOKUP, TWO, res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD,
+                                      (1 if _EMULATE_PTX else 4) if LOOKUP == 5 else LOOKUP, TWO, res_ptr, nw_ptr,
+                                      inv_rms, NORM, HAS_ADD,
                                       X_PAIRS)
     return acc, acc2
 
@@ -544,8 +554,12 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
     _nf4_matmul."""
     Q: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
-    table = _nf4_table(code_ptr, 4, BLOCK_N, BLOCK_K // 4)  # [BLOCK_N, Q]
-    x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
+    if _EMULATE_PTX:
+        table = tl.zeros([BLOCK_N, Q], dtype=tl.float32)  # _word_dot reads code_ptr instead
+        x_row_at = x_row.to(tl.int64) * (4 * row_bytes)  # byte offsets from x_ptr
+    else:
+        table = _nf4_table(code_ptr, 4, BLOCK_N, BLOCK_K // 4)  # [BLOCK_N, Q]
+        x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
     ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
     acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
     acc2 = acc
@@ -569,14 +583,30 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
         word = kb // 4 + tl.arange(0, Q)
         x_at = tl.where((word < kb_end // 4)[None, :], x_row_at + 16 * word.to(tl.int64)[None, :],
                         x_row_at + tl.zeros([BLOCK_N, Q], dtype=tl.int64))
-        acc += tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words, table, x_at], dtype=tl.float32, is_pure=False,
-                                         pack=1) * absmax
+        acc += _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax
         words, absmax = next_words, next_absmax
         if TWO:
-            acc2 += tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words2, table, x_at], dtype=tl.float32,
-                                              is_pure=False, pack=1) * absmax2
+            acc2 += _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2
             words2, absmax2 = next_words2, next_absmax2
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _word_dot(words, table, x_at, code_ptr, x_ptr, ASM: tl.constexpr):
+    """sum over j of code[nibble j of the word] * x[j of the 8 at byte address x_at], in float32, j in order: the
+    word asm; under Triton's interpreter (no PTX) the same arithmetic in Triton ops, x_at then a byte offset from
+    x_ptr, so that the CPU tests run the words path around it."""
+    if _EMULATE_PTX:
+        x_first = x_at // 2  # in elements
+        dot = tl.zeros(words.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            SHIFT: tl.constexpr = 8 * (j // 2) + 4 * (1 - j % 2)  # element 2i: high nibble of byte i
+            code = tl.load(code_ptr + ((words >> SHIFT) & 0xF))
+            dot = tl.fma(code, tl.load(x_ptr + x_first + j).to(tl.float32), dot)
+    else:
+        dot = tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words, table, x_at], dtype=tl.float32, is_pure=False,
+                                        pack=1)
+    return dot
 
 
 @triton.jit

@@ -13,7 +13,8 @@ import torch
 
 from moegraph.errors import InvalidArgumentError
 from moegraph.kernels import triton_available
-from moegraph.kernels._nf4 import resolve_lookup
+from moegraph.kernels._nf4 import _nf4_matmul, resolve_lookup
+from moegraph.kernels._triton import tl, triton
 from moegraph.kernels.moe_combine import moe_combine
 from moegraph.kernels.nf4_gemv import (NF4LinearConfig, nf4_add_rms_norm_linear_group, nf4_linear, nf4_linear_group,
                                        nf4_linear_ref)
@@ -237,27 +238,85 @@ def test_shuffle_lookup_gives_the_same_bits(nested, x_pairs):
         assert torch.equal(runs[0], runs[1])
 
 
-def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
-    """LOOKUP 4 and 5 are PTX: on the CPU and under Triton's interpreter the launch takes LOOKUP 1 (the same
-    values); 5 needs x on 16 bytes and the weight bytes on 4 (its word loads), else it runs as 4."""
-    x, packed = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.uint8)
-    assert resolve_lookup(4, x, packed) == 1 and resolve_lookup(5, x, packed) == 1
-    assert resolve_lookup(3, x, packed) == 3
+@triton.jit
+def _rows_dot_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, out_ptr, n, row_bytes, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, LOOKUP: tl.constexpr):
+    """out[r] = W[r] . x[0] in float32 (the multiply-add path of _nf4_matmul, unrounded), BLOCK_N rows a program."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nested = absmax_ptr  # not nested: never read
+    acc, _ = _nf4_matmul(x_ptr, tl.program_id(0) * 0, True, w_ptr, absmax_ptr, nested, nested, nested, code_ptr,
+                         rows, rows, rows < n, 0, row_bytes, row_bytes, tl.float32, 1, BLOCK_N, BLOCK_K, False, False,
+                         True, False, False, LOOKUP, False)
+    tl.store(out_ptr + rows, acc, mask=rows < n)
 
-    class OnCuda:  # what resolve_lookup reads of a CUDA tensor at an address
-        def __init__(self, address):
-            self.device, self.address = torch.device("cuda"), address
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_words_lookup_sums_a_word_first(dtype):
+    """LOOKUP 5 before any rounding: float32 row sums within float32 summation error of LOOKUP 1's, and not its bits
+    (each word's 8 products are summed first), with the row end mid-step (K 192 in steps of 128: the last step's
+    tail words masked)."""
+    n, k = 40, 192
+    w = _random_nf4(None, n, k, False, seed=97)
+    x = torch.randn(1, k, generator=_gen(98)).to(DEVICE, dtype)
+    code = nf4_code(DEVICE)
+    sums = {}
+    for lookup in (1, 5):
+        sums[lookup] = torch.empty(n, dtype=torch.float32, device=DEVICE)
+        _rows_dot_kernel[(triton.cdiv(n, 8),)](x, w.packed, w.absmax, code, sums[lookup], n, k // 2, BLOCK_N=8,
+                                               BLOCK_K=128, LOOKUP=resolve_lookup(lookup, x, w.packed))
+    want = dequantize_nf4_ref(w, code, torch.float32).double() @ x[0].double()
+    for lookup in (1, 5):
+        assert (sums[lookup].double() - want).abs().max() < 1e-5 * want.abs().max()
+    assert not torch.equal(sums[1], sums[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nested", [False, True])
+def test_words_lookup_against_the_reference(dtype, nested):
+    """LOOKUP 5 (a word of 8 weights a time; on the CPU its asm emulated in Triton ops) through the launchers: the
+    GEMV with the row end mid-step, the experts at one token and at three (gate and up in one loop, down), against
+    the references (fp16: a rounded gate / up / silu value may flip by an ulp, as on the GPU)."""
+    tol = max(REL_TOL[dtype], 1e-3)
+    code = nf4_code(DEVICE)
+    w = _random_nf4(None, 40, 192, nested, seed=90)
+    x = torch.randn(2, 192, generator=_gen(91)).to(DEVICE, dtype)
+    got = nf4_linear(x, w.packed, w.absmax, code, 40, 192, config=NF4LinearConfig(
+        use_dot=False, block_n=8, block_k=128, lookup=5), **_linear_args(w))
+    assert _rel(got, nf4_linear_ref(x, w.packed, w.absmax, code, 40, 192, **_linear_args(w))) < tol
+    gate_up, down = _random_nf4(4, 64, 128, nested, seed=92), _random_nf4(4, 128, 32, nested, seed=93)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 128, generator=_gen(94)).to(DEVICE, dtype)
+        index = torch.rand(tokens, 4, generator=_gen(95)).topk(2, dim=-1).indices.to(DEVICE)
+        weights = torch.rand(tokens, 2, generator=_gen(96)).to(DEVICE, dtype)
+        config = NF4MoEConfig(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=128, lookup=5)
+        got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
+        want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)
+        assert _rel(got, want) < tol
+
+
+def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
+    """LOOKUP 4 is PTX: off CUDA and under Triton's interpreter the launch takes LOOKUP 1 (the same values). LOOKUP 5
+    runs on CUDA and interpreted (its asm emulated); it needs x on 16 bytes and the weight bytes on 4 (its loads),
+    else it runs as 4 (as 1 where 4 cannot run)."""
+
+    class At:  # what resolve_lookup reads of a tensor: its device and address
+        def __init__(self, device, address):
+            self.device, self.address = torch.device(device), address
 
         def data_ptr(self):
             return self.address
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_lookup(4, OnCuda(0), OnCuda(0)) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert resolve_lookup(4, OnCuda(0), OnCuda(0)) == 4
-    assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(4)) == 5
-    assert resolve_lookup(5, OnCuda(8), OnCuda(0)) == 4  # x a view 8 bytes in: its 16-byte loads
-    assert resolve_lookup(5, OnCuda(0), OnCuda(0), OnCuda(2)) == 4
+    assert resolve_lookup(4, At("cuda", 0), At("cuda", 0)) == 4
+    assert resolve_lookup(5, At("cuda", 0), At("cuda", 0), At("cuda", 4)) == 5
+    assert resolve_lookup(5, At("cuda", 8), At("cuda", 0)) == 4  # x a view 8 bytes in: its 16-byte loads
+    assert resolve_lookup(5, At("cuda", 0), At("cuda", 0), At("cuda", 2)) == 4
+    assert resolve_lookup(4, At("cpu", 0), At("cpu", 0)) == 1 and resolve_lookup(5, At("cpu", 0), At("cpu", 0)) == 1
+    assert resolve_lookup(3, At("cpu", 0), At("cpu", 0)) == 3
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_lookup(4, At("cuda", 0), At("cuda", 0)) == 1
+    assert resolve_lookup(5, At("cpu", 0), At("cpu", 0)) == 5
+    assert resolve_lookup(5, At("cpu", 8), At("cpu", 0)) == 1
 
 
 @pytest.mark.parametrize("dtype, block_n", [(torch.float16, 8), (torch.bfloat16, 2), (torch.float32, 8)])
