@@ -109,7 +109,7 @@ _WORD_SUM = """
 """
 _WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n    .reg .b64 xl, xh;"
                                   + _WORD_CODES + """
-    ld.global.nc.v2.b64 {xl, xh}, [$3];
+    ld.global.v2.b64 {xl, xh}, [$3];
     mov.b64 {lo, hi}, xl;
     shl.b32 x0, lo, 16;
     and.b32 x1, lo, 0xffff0000;
@@ -122,7 +122,7 @@ _WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n 
     and.b32 x7, hi, 0xffff0000;""" + _WORD_SUM + "}")
 _WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;\n    .reg .b64 xl, xh;"
                                   + _WORD_CODES + """
-    ld.global.nc.v2.b64 {xl, xh}, [$3];
+    ld.global.v2.b64 {xl, xh}, [$3];
     mov.b64 {h0, h1, h2, h3}, xl;
     mov.b64 {h4, h5, h6, h7}, xh;
     cvt.f32.f16 x0, h0;
@@ -236,12 +236,13 @@ _EMULATE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
-    """The lookup a launch on activations x and weight bytes `packed` (each) runs: LOOKUP_SHUFFLE on CUDA only (not
-    under Triton's interpreter), else LOOKUP 1; LOOKUP_WORDS on CUDA or interpreted (its asm then emulated), where x
-    starts on 16 bytes and the bytes on 4 (its loads), else the shuffle (or 1). All give the same values; 5 sums
-    each word's 8 products first."""
+    """The lookup a launch on activations x and weight bytes `packed` (each) runs: LOOKUP_SHUFFLE on NVIDIA GPUs only
+    (not under Triton's interpreter), else LOOKUP 1 (the same values, the same bits); LOOKUP_WORDS on them or
+    interpreted (its asm emulated), where x starts on 16 bytes and the bytes on 4 (its loads), else the shuffle (or
+    1). LOOKUP_WORDS sums each word of 8 products first: other bits than 1 and 4, so an x that moves between
+    aligned and unaligned addresses changes them (the decoder's are whole allocations: aligned)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    native = x.device.type == "cuda" and not interpreted
+    native = x.device.type == "cuda" and torch.version.hip is None and not interpreted
     if lookup == LOOKUP_WORDS and (native or interpreted):
         if x.data_ptr() % 16 == 0 and all(p.data_ptr() % 4 == 0 for p in packed):
             return lookup
@@ -361,16 +362,14 @@ def _nf4_decode(packed, absmax, code_ptr, table, DTYPE: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _nf4_table(code_ptr, LOOKUP: tl.constexpr, BLOCK_N: tl.constexpr = 1, BLOCK_K: tl.constexpr = 2):
+def _nf4_table(code_ptr, LOOKUP: tl.constexpr):
     """The lookup table of LOOKUP 1 and 3 (code [16] fp32), 2 (uint64 [256]: code[b >> 4] bits high, code[b & 15]
-    low) or 4 (code[lane % 16] in every element of a [BLOCK_N, BLOCK_K // 2] tile, as the byte tile)."""
+    low) or 4 (the scalar code[lane % 16])."""
     if LOOKUP == 4:
-        # code[lane % 16] in each thread: an asm of loop-invariant operands that LLVM computes once (one register,
-        # out of the loop; "pure": the table is constant). Used only where it is made: a layout conversion would
-        # move it between threads and hand each lane another lane's value
-        table = tl.inline_asm_elementwise(_LANE_CODE_ASM, "=r,l", [code_ptr + tl.zeros([BLOCK_N, BLOCK_K // 2],
-                                                                                          tl.int32)],
-                                          dtype=tl.float32, is_pure=True, pack=1)
+        # code[lane % 16] in each thread: a scalar (each thread computes its own and keeps it in one register; a
+        # tensor could be moved between threads by a layout conversion and hand each lane another lane's value),
+        # which the lookups' asm splats where they use it. "pure": the table is constant
+        table = tl.inline_asm_elementwise(_LANE_CODE_ASM, "=r,l", [code_ptr], dtype=tl.float32, is_pure=True, pack=1)
     elif LOOKUP == 2:
         b = tl.arange(0, 256)
         high = tl.load(code_ptr + (b >> 4)).to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -456,7 +455,7 @@ def _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr,
     # wide steps (few steps, many loads in flight) sum each step: a [BLOCK_N, HALF] accumulator would not fit
     STEP_SUM: tl.constexpr = BLOCK_K >= 512
     K = 2 * row_bytes
-    table = _nf4_table(code_ptr, LOOKUP, BLOCK_N, BLOCK_K)
+    table = _nf4_table(code_ptr, LOOKUP)
     if USE_DOT:
         tl.static_assert(BLOCK_M >= 16, "tl.dot needs BLOCK_M >= 16")
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -555,10 +554,10 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
     Q: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
     if _EMULATE_PTX:
-        table = tl.zeros([BLOCK_N, Q], dtype=tl.float32)  # _word_dot reads code_ptr instead
+        table = 0.0  # _word_dot reads code_ptr instead
         x_row_at = x_row.to(tl.int64) * (4 * row_bytes)  # byte offsets from x_ptr
     else:
-        table = _nf4_table(code_ptr, 4, BLOCK_N, BLOCK_K // 4)  # [BLOCK_N, Q]
+        table = _nf4_table(code_ptr, 4)
         x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
     ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
     acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
@@ -578,17 +577,18 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
                                                         offset_ptr, rows2, row_mask, kb + HALF, kb_end, row_bytes,
                                                         BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
         # x of word j: bytes 16 j .. 16 j + 15 of the row, loaded inside the asm (a load here would take its own
-        # layout and move the word tile between threads each step); past the row's end the row start (finite
-        # values that a zero absmax cancels)
+        # layout and move the word tile between threads each step); past the row's end the row start (in bounds;
+        # values that the masked sum below leaves out: a masked word's codes are code[0], not 0)
         word = kb // 4 + tl.arange(0, Q)
-        x_at = tl.where((word < kb_end // 4)[None, :], x_row_at + 16 * word.to(tl.int64)[None, :],
-                        x_row_at + tl.zeros([BLOCK_N, Q], dtype=tl.int64))
-        acc += _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax
+        live = (word < kb_end // 4)[None, :]
+        x_at = tl.where(live, x_row_at + 16 * word.to(tl.int64)[None, :], x_row_at + tl.zeros([BLOCK_N, Q], tl.int64))
+        acc = tl.where(live, acc + _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax, acc)
         words, absmax = next_words, next_absmax
         if TWO:
-            acc2 += _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2
+            acc2 = tl.where(live, acc2 + _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2, acc2)
             words2, absmax2 = next_words2, next_absmax2
-    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+    out = tl.sum(acc, axis=1)
+    return out, (tl.sum(acc2, axis=1) if TWO else out)
 
 
 @triton.jit

@@ -337,8 +337,8 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None,
-        LOOKUP=resolve_lookup(cfg.lookup, x, *(v.packed for v in views)), NORM=norm is not None, HAS_ADD=residual is not None,
-        X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
+        LOOKUP=resolve_lookup(cfg.lookup, x, *(v.packed for v in views)), NORM=norm is not None,
+        HAS_ADD=residual is not None, X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
     return outs
 
 

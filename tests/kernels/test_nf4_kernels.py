@@ -294,6 +294,33 @@ def test_words_lookup_against_the_reference(dtype, nested):
         assert _rel(got, want) < tol
 
 
+def test_words_lookup_in_every_launcher_form():
+    """LOOKUP 5 where the launchers cut the work otherwise: rows past N in the last tile, split-K, the grouped q/k/v
+    GEMV (three weights in one launch), the down GEMVs with the combine in one launch; each against LOOKUP 1 (fp16:
+    the same sums up to float32 order, well inside one fp16 rounding here)."""
+    code = nf4_code(DEVICE)
+    w = _random_nf4(None, 44, 256, False, seed=100)
+    x = torch.randn(1, 256, generator=_gen(101)).to(DEVICE, torch.float16)
+
+    def both(call):
+        return [call(lookup) for lookup in (1, 5)]
+
+    for cfg in (dict(block_n=8), dict(block_n=16, split_k=2)):
+        a, b = both(lambda lookup: nf4_linear(x, w.packed, w.absmax, code, 44, 256, config=NF4LinearConfig(
+            use_dot=False, block_k=64, lookup=lookup, **cfg)))
+        assert _rel(b, a) < 2e-4, cfg
+    group = [_random_nf4(None, n, 256, True, seed=102 + n) for n in (12, 20)]
+    a, b = both(lambda lookup: nf4_linear_group(x, group, code, NF4LinearConfig(block_n=8, lookup=lookup)))
+    assert all(_rel(o5, o1) < 2e-4 for o1, o5 in zip(a, b))
+    gate_up, down = _random_nf4(4, 64, 128, False, seed=110), _random_nf4(4, 128, 32, False, seed=111)
+    x = torch.randn(2, 128, generator=_gen(112)).to(DEVICE, torch.float16)
+    index = torch.rand(2, 4, generator=_gen(113)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(2, 2, generator=_gen(114)).to(DEVICE, torch.float16)
+    a, b = both(lambda lookup: fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
+        use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=128, lookup=lookup, combine=True)))
+    assert _rel(b, a) < 2e-4
+
+
 def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
     """LOOKUP 4 is PTX: off CUDA and under Triton's interpreter the launch takes LOOKUP 1 (the same values). LOOKUP 5
     runs on CUDA and interpreted (its asm emulated); it needs x on 16 bytes and the weight bytes on 4 (its loads),
