@@ -53,50 +53,29 @@ _LANE_CODE_ASM = tl.constexpr("""{
     add.s64 address, $1, offset;
     ld.global.nc.f32 $0, [address];
 }""")
-# Four bytes ($8, byte i in bits 8i..8i+7) to code[high nibble] ($0-$3) and code[low nibble] ($4-$7); $9: the
-# thread's table value (the other three table operands are the same value). shfl.sync.idx reads the table value of
-# lane (index & 31): for a nibble in the index's low bits that is lane nibble or nibble + 16, both holding
-# code[nibble], so no mask is needed, only a shift: 7 shifts and 8 shuffles for 8 weights, no shared memory, no
-# address arithmetic. Every lane of the warp runs it (the loop has no divergent branch).
-_SHUFFLE_LOOKUP_ASM = tl.constexpr("""{
-    .reg .b32 s<7>;
-    shr.b32 s0, $8, 4;
-    shr.b32 s1, $8, 12;
-    shr.b32 s2, $8, 8;
-    shr.b32 s3, $8, 20;
-    shr.b32 s4, $8, 16;
-    shr.b32 s5, $8, 28;
-    shr.b32 s6, $8, 24;
-    shfl.sync.idx.b32 $0, $9, s0, 31, 0xffffffff;
-    shfl.sync.idx.b32 $4, $9, $8, 31, 0xffffffff;
-    shfl.sync.idx.b32 $1, $9, s1, 31, 0xffffffff;
-    shfl.sync.idx.b32 $5, $9, s2, 31, 0xffffffff;
-    shfl.sync.idx.b32 $2, $9, s3, 31, 0xffffffff;
-    shfl.sync.idx.b32 $6, $9, s4, 31, 0xffffffff;
-    shfl.sync.idx.b32 $3, $9, s5, 31, 0xffffffff;
-    shfl.sync.idx.b32 $7, $9, s6, 31, 0xffffffff;
-}""")
 
-# LOOKUP 5: one word ($1: 8 weights, element 2i in the high nibble of byte i) dotted with its 8 x values (16-bit
-# each, loaded from the 16 bytes at $3, x0 in the low bits) in float32, in column order; $2: the lane's table value
-# (LOOKUP 4).
-_WORD_CODES = """
-    shr.b32 s0, $1, 4;
-    shr.b32 s1, $1, 12;
-    shr.b32 s2, $1, 8;
-    shr.b32 s3, $1, 20;
-    shr.b32 s4, $1, 16;
-    shr.b32 s5, $1, 28;
-    shr.b32 s6, $1, 24;
-    shfl.sync.idx.b32 c0, $2, s0, 31, 0xffffffff;
-    shfl.sync.idx.b32 c1, $2, $1, 31, 0xffffffff;
-    shfl.sync.idx.b32 c2, $2, s1, 31, 0xffffffff;
-    shfl.sync.idx.b32 c3, $2, s2, 31, 0xffffffff;
-    shfl.sync.idx.b32 c4, $2, s3, 31, 0xffffffff;
-    shfl.sync.idx.b32 c5, $2, s4, 31, 0xffffffff;
-    shfl.sync.idx.b32 c6, $2, s5, 31, 0xffffffff;
-    shfl.sync.idx.b32 c7, $2, s6, 31, 0xffffffff;
-"""
+
+def _shuffled_codes(word: str, table: str, out: list) -> str:
+    """PTX putting code[nibble] of element j of the 32-bit `word` (element 2i: the high nibble of byte i, byte i in
+    bits 8i..8i+7) into register out[j], j < 8, from `table`, each lane's code[lane % 16]: shfl.sync.idx reads the
+    table value of lane (index & 31), and for a nibble in the index's low bits that is lane nibble or nibble + 16,
+    both holding code[nibble], so a shift is all an index needs (registers s0-s6). No shared memory, no address
+    arithmetic; every lane of the warp runs it (the loops have no divergent branch)."""
+    shifts = [8 * (j // 2) + 4 * (1 - j % 2) for j in range(8)]
+    index = {shift: f"s{i}" for i, shift in enumerate(sorted(set(shifts) - {0}))}
+    lines = [f"shr.b32 {reg}, {word}, {shift};" for shift, reg in index.items()]
+    lines += [f"shfl.sync.idx.b32 {dst}, {table}, {index.get(shift, word)}, 31, 0xffffffff;"
+              for dst, shift in zip(out, shifts)]
+    return "".join(f"\n    {line}" for line in lines) + "\n"
+
+
+# LOOKUP 4: four bytes ($8) to code[high nibble] ($0-$3) and code[low nibble] ($4-$7); $9: the thread's table value
+_SHUFFLE_LOOKUP_ASM = tl.constexpr("{\n    .reg .b32 s<7>;"
+                                   + _shuffled_codes("$8", "$9", ["$0", "$4", "$1", "$5", "$2", "$6", "$3", "$7"])
+                                   + "}")
+# LOOKUP 5: one word ($1: 8 weights) dotted with its 8 x values (16-bit each, loaded from the 16 bytes at $3, x0 in
+# the low bits) in float32, in column order; $2: the lane's table value (LOOKUP 4).
+_WORD_CODES = _shuffled_codes("$1", "$2", [f"c{j}" for j in range(8)])
 _WORD_SUM = """
     mul.rn.f32 $0, c0, x0;
     fma.rn.f32 $0, c1, x1, $0;
