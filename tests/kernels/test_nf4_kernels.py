@@ -270,8 +270,7 @@ def test_words_lookup_sums_a_word_first(dtype):
     assert not torch.equal(sums[1], sums[5])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype, nested", [(torch.bfloat16, False), (torch.float16, True)])
 def test_words_lookup_against_the_reference(dtype, nested):
     """LOOKUP 5 (a word of 8 weights a time; on the CPU its asm emulated in Triton ops) through the launchers: the
     GEMV with the row end mid-step, the experts at one token and at three (gate and up in one loop, down), against
