@@ -36,6 +36,9 @@ PAIR_GEMV_MAX_TOKENS = 4  # a decode bucket size (1, 2, 4, ...): eager and repla
 # 2 warps was the fastest of 18 tiles x warps: 21.6 us at 1 token (block kernels: 42.1), 37.5 at 2 (51.9);
 # 4 tokens 77.0 against 91.6 (4 x 1024); 8 tokens 142.0 against 121.5, so the blocks take over above 4.
 PAIR_BLOCK_N = 2
+# Under Triton's interpreter (the CPU tests) each program is a Python loop: 2-row tiles made a 10-token tiny-model
+# generate() take 37 s against 3.7 at 32 rows, for the same per-row sums (the GPU's tiles stay as measured)
+INTERPRETER_PAIR_BLOCK_N = 32
 PAIR_BLOCK_K = 2048
 PAIR_NUM_WARPS = 2
 # The pair path's down GEMVs and the weighted combine in one launch (the same bits; a launch fewer per layer). Off:
@@ -277,7 +280,8 @@ def pair_gemv_experts(x, top_k_index, gate_up_proj, down_proj, block_n: int | No
     combine in one launch (_pair_down_combine_kernel, equal to moe_combine of the per-pair outputs)."""
     num_experts, two_inter, hidden_dim = gate_up_proj.shape
     inter = two_inter // 2
-    block_n, block_k = block_n or PAIR_BLOCK_N, block_k or PAIR_BLOCK_K
+    block_n = block_n or (INTERPRETER_PAIR_BLOCK_N if x.device.type != "cuda" else PAIR_BLOCK_N)
+    block_k = block_k or PAIR_BLOCK_K
     index = top_k_index.reshape(-1).contiguous()
     pairs = index.numel()
     act = torch.empty(pairs, inter, dtype=gate_up_proj.dtype, device=x.device)
