@@ -220,7 +220,7 @@ def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
     interpreted (its asm emulated), where x starts on 16 bytes and the bytes on 4 (its loads), else the shuffle (or
     1). LOOKUP_WORDS sums each word of 8 products first: other bits than 1 and 4, so an x that moves between
     aligned and unaligned addresses changes them (the decoder's are whole allocations: aligned)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = bool(_EMULATE_PTX)  # read once, at import, as the kernels read it
     native = x.device.type == "cuda" and torch.version.hip is None and not interpreted
     if lookup == LOOKUP_WORDS and (native or interpreted):
         if x.data_ptr() % 16 == 0 and all(p.data_ptr() % 4 == 0 for p in packed):

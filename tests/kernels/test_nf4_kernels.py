@@ -13,6 +13,7 @@ import torch
 
 from moegraph.errors import InvalidArgumentError
 from moegraph.kernels import triton_available
+from moegraph.kernels import _nf4 as nf4_internals
 from moegraph.kernels._nf4 import _nf4_matmul, resolve_lookup
 from moegraph.kernels._triton import tl, triton
 from moegraph.kernels.moe_combine import moe_combine
@@ -332,14 +333,14 @@ def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
         def data_ptr(self):
             return self.address
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(nf4_internals, "_EMULATE_PTX", tl.constexpr(False))
     assert resolve_lookup(4, At("cuda", 0), At("cuda", 0)) == 4
     assert resolve_lookup(5, At("cuda", 0), At("cuda", 0), At("cuda", 4)) == 5
     assert resolve_lookup(5, At("cuda", 8), At("cuda", 0)) == 4  # x a view 8 bytes in: its 16-byte loads
     assert resolve_lookup(5, At("cuda", 0), At("cuda", 0), At("cuda", 2)) == 4
     assert resolve_lookup(4, At("cpu", 0), At("cpu", 0)) == 1 and resolve_lookup(5, At("cpu", 0), At("cpu", 0)) == 1
     assert resolve_lookup(3, At("cpu", 0), At("cpu", 0)) == 3
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(nf4_internals, "_EMULATE_PTX", tl.constexpr(True))
     assert resolve_lookup(4, At("cuda", 0), At("cuda", 0)) == 1
     assert resolve_lookup(5, At("cpu", 0), At("cpu", 0)) == 5
     assert resolve_lookup(5, At("cpu", 8), At("cpu", 0)) == 1
