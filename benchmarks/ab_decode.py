@@ -17,7 +17,10 @@ Switches (each a module-level choice that a new patch's captures read):
 - nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
   weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only;
 - nf4_shuffle: every NF4 loop's code table read by warp shuffles, a 32-bit word of weights at a time where it can
-  (LOOKUP 5, else 4); NF4 rows only.
+  (LOOKUP 5, else 4); NF4 rows only;
+- nf4_moe_words / nf4_moe_shuffle / nf4_few_words / nf4_gemv_words: one part of nf4_shuffle alone: the one-token
+  experts on LOOKUP 5 / 4, the 2-15-token experts on 5, the NF4 GEMVs on 5 (4 where a norm runs in front);
+- nf4_words_unfused: nf4_shuffle with the norms out of the GEMVs (so q/k/v runs LOOKUP 5 too); NF4 rows only.
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
 flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits; shuffle sums a word
 of 8 products first (another order).
@@ -70,11 +73,35 @@ def _nf4_shuffle(on: bool) -> None:
         nf4_moe.FEW_TOKENS_LOOKUP = 3
 
 
+def _nf4_moe_words(on: bool) -> None:
+    nf4_moe.LOOKUP = 5 if on else 1
+
+
+def _nf4_moe_shuffle(on: bool) -> None:
+    nf4_moe.LOOKUP = 4 if on else 1
+
+
+def _nf4_few_words(on: bool) -> None:
+    nf4_moe.FEW_TOKENS_LOOKUP = 5 if on else 3
+
+
+def _nf4_gemv_words(on: bool) -> None:
+    nf4_gemv.LOOKUP = 5 if on else 1
+
+
+def _nf4_words_unfused(on: bool) -> None:
+    _nf4_shuffle(on)
+    ops.FUSE_NORMS = not on  # the q/k/v GEMV without its norm in front: LOOKUP 5 there too
+
+
 # name -> (setter, default state, NF4 rows only)
 SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
             "gemv_dot": (_gemv_dot, False, False), "one_warp": (_one_warp, True, False),
             "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
-            "nf4_x_pairs": (_nf4_x_pairs, False, True), "nf4_shuffle": (_nf4_shuffle, False, True)}
+            "nf4_x_pairs": (_nf4_x_pairs, False, True), "nf4_shuffle": (_nf4_shuffle, False, True),
+            "nf4_moe_words": (_nf4_moe_words, False, True), "nf4_moe_shuffle": (_nf4_moe_shuffle, False, True),
+            "nf4_few_words": (_nf4_few_words, False, True), "nf4_gemv_words": (_nf4_gemv_words, False, True),
+            "nf4_words_unfused": (_nf4_words_unfused, False, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -65,9 +65,13 @@ class StepProfile(_KernelTable):
     device: str  # "cuda": GPU kernels; "cpu": CPU ops (what a CPU step runs)
     kernels: tuple[KernelTime, ...]  # by total time, longest first
     graph_replay_ms: float | None  # GPU time of one replay of the bucket's graph (back to back); None off CUDA
+    # the kernels of one graph replay rather than of one eager step: with programmatic dependent launch a kernel's
+    # time there includes its wait on the one before it
+    replayed: bool = False
 
     def format(self, top: int = 12) -> str:
-        head = (f"profile (batch {self.batch_size}): {self.calls} {self._what()} in one eager decode step, "
+        step = "one replay of the captured graph" if self.replayed else "one eager decode step"
+        head = (f"profile (batch {self.batch_size}): {self.calls} {self._what()} in {step}, "
                 f"{self.kernels_per_layer:.1f} per decoder layer, {self.total_us / 1e3:.2f} ms")
         if self.graph_replay_ms is not None:
             head += f"; the captured graph replays in {self.graph_replay_ms:.3f} ms"
@@ -92,9 +96,11 @@ class PrefillProfile(_KernelTable):
         return "\n".join([head] + self._top_lines(top))
 
 
-def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20, context: int = 128) -> StepProfile:
+def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20, context: int = 128,
+                 graph: bool = False) -> StepProfile:
     """Profile one decode step of a patched model at `batch_size` rows of distinct random tokens, each at `context`
-    positions (see the module docstring)."""
+    positions (see the module docstring). graph: profile one replay of the captured graph instead (CUDA, graphs
+    captured), where the kernels run as the decode loop runs them."""
     from torch.profiler import profile
 
     decoder = _patched_decoder(model, "profile_step")
@@ -103,12 +109,16 @@ def profile_step(model: nn.Module, batch_size: int = 1, replays: int = 20, conte
     on_cuda = device.type == "cuda"
     context = min(context, decoder.cache.positions - 1)
     decoder.inputs.fill_random(batch_size, model.config.get_text_config().vocab_size, context)
-    decoder.eager_step(batch_size)  # warm: lazy initialisation and compilation stay out of the profile
+    replayed = graph and on_cuda and decoder.graphs is not None and bool(decoder.graphs.graphs)
+    if graph and not replayed:
+        raise InvalidArgumentError("profile_step(graph=True) needs captured CUDA graphs; this decoder has none")
+    step = decoder.replay_step if replayed else decoder.eager_step
+    step(batch_size)  # warm: lazy initialisation and compilation stay out of the profile
     with profile(activities=[_activity(device)]) as prof:
-        decoder.eager_step(batch_size)
+        step(batch_size)
         _sync(device)
     return StepProfile(batch_size, model.config.get_text_config().num_hidden_layers, device.type, _by_name(prof, on_cuda),
-                       _replay_ms(decoder, batch_size, replays) if on_cuda else None)
+                       _replay_ms(decoder, batch_size, replays) if on_cuda else None, replayed)
 
 
 def profile_prefill(model: nn.Module, batch_size: int = 1, prompt_len: int = 128, seed: int = 0) -> PrefillProfile:

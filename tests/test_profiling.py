@@ -47,6 +47,15 @@ def test_profile_step_runs_distinct_rows_at_a_context(model):
         moegraph.unpatch(model)
 
 
+def test_profile_step_of_a_graph_replay_needs_captured_graphs(model):
+    moegraph.patch(model)
+    try:
+        with pytest.raises(moegraph.InvalidArgumentError, match="captured CUDA graphs"):
+            moegraph.profile_step(model, graph=True)  # the CPU captures none
+    finally:
+        moegraph.unpatch(model)
+
+
 def test_profile_step_needs_a_patched_model(model):
     with pytest.raises(moegraph.InvalidArgumentError, match="moegraph.patch"):
         moegraph.profile_step(model)
