@@ -20,7 +20,9 @@ Switches (each a module-level choice that a new patch's captures read):
   (LOOKUP 5, else 4); NF4 rows only;
 - nf4_moe_words / nf4_moe_shuffle / nf4_few_words / nf4_gemv_words: one part of nf4_shuffle alone: the one-token
   experts on LOOKUP 5 / 4, the 2-15-token experts on 5, the NF4 GEMVs on 5 (4 where a norm runs in front);
-- nf4_words_unfused: nf4_shuffle with the norms out of the GEMVs (so q/k/v runs LOOKUP 5 too); NF4 rows only.
+- nf4_words_unfused: nf4_shuffle with the norms out of the GEMVs (so q/k/v runs LOOKUP 5 too); NF4 rows only;
+- pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over, not at its start
+  (_triton.PDL_EARLY_TRIGGER), so at most one kernel waits ahead of the one running.
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
 flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits; shuffle sums a word
 of 8 products first (another order).
@@ -32,7 +34,7 @@ import torch
 
 from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
-from moegraph.kernels import fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
+from moegraph.kernels import _triton, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
@@ -89,6 +91,10 @@ def _nf4_gemv_words(on: bool) -> None:
     nf4_gemv.LOOKUP = 5 if on else 1
 
 
+def _pdl_late_trigger(on: bool) -> None:
+    _triton.PDL_EARLY_TRIGGER = not on
+
+
 def _nf4_words_unfused(on: bool) -> None:
     _nf4_shuffle(on)
     ops.FUSE_NORMS = not on  # the q/k/v GEMV without its norm in front: LOOKUP 5 there too
@@ -101,7 +107,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_com
             "nf4_x_pairs": (_nf4_x_pairs, False, True), "nf4_shuffle": (_nf4_shuffle, False, True),
             "nf4_moe_words": (_nf4_moe_words, False, True), "nf4_moe_shuffle": (_nf4_moe_shuffle, False, True),
             "nf4_few_words": (_nf4_few_words, False, True), "nf4_gemv_words": (_nf4_gemv_words, False, True),
-            "nf4_words_unfused": (_nf4_words_unfused, False, True)}
+            "nf4_words_unfused": (_nf4_words_unfused, False, True),
+            "pdl_late_trigger": (_pdl_late_trigger, False, False)}
 
 
 def _set_all(names, on: bool) -> None:
@@ -111,9 +118,11 @@ def _set_all(names, on: bool) -> None:
 
 def main():
     parser = decode_arguments(argparse.ArgumentParser())
-    parser.add_argument("--switches", default=",".join(SWITCHES))
+    parser.add_argument("--switches", default=",".join(SWITCHES),
+                        help="comma-separated; a+b: a row with both on together")
     args = parser.parse_args()
-    names = args.switches.split(",")
+    entries = [entry.split("+") for entry in args.switches.split(",")]
+    names = list(dict.fromkeys(name for entry in entries for name in entry))
     unknown = set(names) - set(SWITCHES)
     if unknown:
         parser.error(f"unknown switches {sorted(unknown)}; known: {', '.join(SWITCHES)}")
@@ -129,7 +138,8 @@ def main():
         used = [n for n in names if weights == "nf4" or not SWITCHES[n][2]]
         if not used:  # only NF4 switches asked for: no bf16 rows
             continue
-        for label, switched in [(n, [n]) for n in used] + [("all", used)]:
+        rows_here = [("+".join(e), e) for e in entries if all(n in used for n in e)]
+        for label, switched in rows_here + ([("all", used)] if len(used) > 1 else []):
             rows = tables.setdefault(label, [])
             for bs in sizes:
                 results = {}

@@ -86,6 +86,11 @@ def pdl_launches():
         _scope.depth = depth
 
 
+# A kernel lets the next one launch at its start (True) or once its own wait is over (False: one kernel waits ahead
+# of the one running, not a chain of them). Read at each launch, so a capture after a change takes the new one.
+PDL_EARLY_TRIGGER = True
+
+
 def pdl(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch on `device` inside `pdl_launches()` (Hopper and newer;
     MOEGRAPH_PDL=0 turns it off, read once): a kernel launched with them may start while the one before it drains,
@@ -94,15 +99,19 @@ def pdl(device: torch.device) -> dict:
     before it writes."""
     if not getattr(_scope, "depth", 0) or not _pdl_on(device.type, device.index):
         return {}
-    return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": 1 if PDL_EARLY_TRIGGER else 2, "launch_pdl": True}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Let the next kernel launch, then wait until the previous kernel's writes are visible (no-op without PDL)."""
-    if USE_PDL:
+    """Let the next kernel launch and wait until the previous kernel's writes are visible (no-op without PDL):
+    USE_PDL 1 lets it launch first, 2 after the wait (PDL_EARLY_TRIGGER)."""
+    if USE_PDL == 1:
         gdc_launch_dependents()
         gdc_wait()
+    elif USE_PDL == 2:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 __all__ = ["HAVE_TRITON", "pdl", "pdl_launches", "pdl_status", "pdl_wait", "tl", "triton"]

@@ -24,6 +24,8 @@ def test_pdl_arguments_only_inside_the_scope_and_on_a_device_that_has_it(monkeyp
         with _triton.pdl_launches():
             assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}
         assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}  # the outer scope still holds
+        monkeypatch.setattr(_triton, "PDL_EARLY_TRIGGER", False)
+        assert _triton.pdl(gpu) == {"USE_PDL": 2, "launch_pdl": True}  # the next kernel launches after the wait
     assert _triton.pdl(gpu) == {}
 
 
