@@ -14,18 +14,18 @@ Switches (each a module-level choice that a new patch's captures read):
 - one_warp: the router's softmax top-k and the q/k norm + RoPE kernels in one warp a program instead of Triton's
   default 4 (router_topk.ROUTER_WARPS, qk_norm_rope.NUM_WARPS);
 - align_histogram: the histogram grouping kernel instead of the compare one (fused_moe.ALIGN_METHOD);
-- nf4_lookup3 / nf4_x_pairs: the NF4 multiply-add loop with both nibbles in one gather / x read as pairs in the
-  weight tile's layout (nf4_moe, nf4_gemv LOOKUP and X_PAIRS); NF4 rows only;
-- nf4_shuffle: every NF4 loop's code table read by warp shuffles, a 32-bit word of weights at a time where it can
-  (LOOKUP 5, else 4); NF4 rows only;
-- nf4_moe_words / nf4_moe_shuffle / nf4_few_words / nf4_gemv_words: one part of nf4_shuffle alone: the one-token
-  experts on LOOKUP 5 / 4, the 2-15-token experts on 5, the NF4 GEMVs on 5 (4 where a norm runs in front);
-- nf4_words_unfused: nf4_shuffle with the norms out of the GEMVs (so q/k/v runs LOOKUP 5 too); NF4 rows only;
-- pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over, not at its start
-  (_triton.PDL_EARLY_TRIGGER), so at most one kernel waits ahead of the one running.
+- nf4_x_pairs: the NF4 multiply-add loop (where it does not take LOOKUP 5) with x read as pairs in the weight
+  tile's layout (nf4_moe, nf4_gemv X_PAIRS); NF4 rows only;
+- nf4_shuffle (on by default since 2026-12-06): every NF4 loop's code table read by warp shuffles, a 32-bit word
+  of weights at a time where it can (LOOKUP 5, else 4); off: the shared-memory table (1; 3 at 2-15 tokens). NF4
+  rows only;
+- nf4_moe_words / nf4_few_words / nf4_gemv_words: one part of nf4_shuffle alone: the one-token experts, the
+  2-15-token experts, the NF4 GEMVs;
+- pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
+  (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
-flip a near-tie (another summation order); pair_combine, lookup3 and x_pairs give the same bits; shuffle sums a word
-of 8 products first (another order).
+flip a near-tie (another summation order); pair_combine and x_pairs give the same bits; shuffle sums a word of 8
+products first (another order).
 """
 
 import argparse
@@ -59,28 +59,12 @@ def _align_histogram(on: bool) -> None:
     fused_moe.ALIGN_METHOD = "histogram" if on else "compare"
 
 
-def _nf4_lookup3(on: bool) -> None:
-    nf4_moe.LOOKUP = nf4_gemv.LOOKUP = 3 if on else 1
-
-
 def _nf4_x_pairs(on: bool) -> None:
     nf4_moe.X_PAIRS = nf4_gemv.X_PAIRS = on
 
 
-def _nf4_shuffle(on: bool) -> None:
-    """Every NF4 loop on the warp-shuffle lookups: a 32-bit word of weights at a time (LOOKUP 5) where x is 16-bit
-    and no norm runs in front, per nibble (4) elsewhere. Off: the defaults before them."""
-    nf4_moe.LOOKUP = nf4_moe.FEW_TOKENS_LOOKUP = nf4_gemv.LOOKUP = 5 if on else 1
-    if not on:
-        nf4_moe.FEW_TOKENS_LOOKUP = 3
-
-
 def _nf4_moe_words(on: bool) -> None:
     nf4_moe.LOOKUP = 5 if on else 1
-
-
-def _nf4_moe_shuffle(on: bool) -> None:
-    nf4_moe.LOOKUP = 4 if on else 1
 
 
 def _nf4_few_words(on: bool) -> None:
@@ -91,24 +75,26 @@ def _nf4_gemv_words(on: bool) -> None:
     nf4_gemv.LOOKUP = 5 if on else 1
 
 
-def _pdl_late_trigger(on: bool) -> None:
-    _triton.PDL_EARLY_TRIGGER = not on
+def _nf4_shuffle(on: bool) -> None:
+    """Every NF4 loop on the warp-shuffle lookups (the default): a 32-bit word of weights at a time (LOOKUP 5) where
+    x is 16-bit and no norm runs in front, per nibble (4) elsewhere. Off: the defaults before them (1; 3 at 2-15
+    tokens)."""
+    _nf4_moe_words(on)
+    _nf4_few_words(on)
+    _nf4_gemv_words(on)
 
 
-def _nf4_words_unfused(on: bool) -> None:
-    _nf4_shuffle(on)
-    ops.FUSE_NORMS = not on  # the q/k/v GEMV without its norm in front: LOOKUP 5 there too
+def _pdl_late_trigger(on) -> None:
+    _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
 
 # name -> (setter, default state, NF4 rows only)
 SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
             "gemv_dot": (_gemv_dot, False, False), "one_warp": (_one_warp, True, False),
-            "align_histogram": (_align_histogram, False, False), "nf4_lookup3": (_nf4_lookup3, False, True),
-            "nf4_x_pairs": (_nf4_x_pairs, False, True), "nf4_shuffle": (_nf4_shuffle, False, True),
-            "nf4_moe_words": (_nf4_moe_words, False, True), "nf4_moe_shuffle": (_nf4_moe_shuffle, False, True),
-            "nf4_few_words": (_nf4_few_words, False, True), "nf4_gemv_words": (_nf4_gemv_words, False, True),
-            "nf4_words_unfused": (_nf4_words_unfused, False, True),
-            "pdl_late_trigger": (_pdl_late_trigger, False, False)}
+            "align_histogram": (_align_histogram, False, False), "nf4_x_pairs": (_nf4_x_pairs, False, True),
+            "nf4_shuffle": (_nf4_shuffle, True, True), "nf4_moe_words": (_nf4_moe_words, True, True),
+            "nf4_few_words": (_nf4_few_words, True, True), "nf4_gemv_words": (_nf4_gemv_words, True, True),
+            "pdl_late_trigger": (_pdl_late_trigger, None, False)}
 
 
 def _set_all(names, on: bool) -> None:

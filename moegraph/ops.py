@@ -69,6 +69,15 @@ class OpTable:
     add_norm_router: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
 
+    @property
+    def pdl_early_trigger(self) -> bool:
+        """Where the decode graphs' kernels let the next one launch (kernels/_triton.py): at their start for dense
+        weights, after their wait for 4-bit ones. H100, 48 layers, NF4 experts and projections (ab_decode.py
+        pdl_late_trigger, 2026-12-06): 2.63 / 7.16 ms a step at batch 1 / 8 after the wait, 3.31 / 7.44 at the
+        start, where a chain of early launches waits ahead of the NF4 kernels; bf16 3.29 / 10.89 at the start,
+        3.33 / 10.92 after the wait."""
+        return self.formats.experts != NF4 and self.formats.projections != LINEAR4BIT
+
     def describe(self) -> str:
         head = (f"decode ops for {self.dtype} on {self.device} (experts {self.formats.experts}, projections "
                 f"{self.formats.projections}): {'capture-safe' if self.capture_safe else 'eager only'}")

@@ -772,8 +772,10 @@ class GraphDecoder:
             gb = StaticKVCache.bytes_for(**layout) / 1e9
             raise self._out_of_memory(f"allocating a static KV cache of {rows} rows x {positions} positions "
                                       f"({gb:.2f} GB)", exc) from None
-        ops, graphs, slots = self._ops(), BucketGraphs(step=self._forward), weight_slots(self.model)
-        prefill_graphs = BucketGraphs(step=self._prefill_forward, what="prefill graph(s) (token buckets")
+        ops, slots = self._ops(), weight_slots(self.model)
+        graphs = BucketGraphs(step=self._forward, pdl_early_trigger=ops.pdl_early_trigger)
+        prefill_graphs = BucketGraphs(step=self._prefill_forward, what="prefill graph(s) (token buckets",
+                                      pdl_early_trigger=ops.pdl_early_trigger)
         self._free()
         # one statement: a KeyboardInterrupt cannot leave a cache without its graphs or weight pointers
         (self.cache, self.inputs, self.prefill_inputs, self.ops, self.graphs, self.prefill_graphs, self._weight_slots,

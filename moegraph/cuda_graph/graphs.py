@@ -105,6 +105,7 @@ class BucketGraphs:
 
     step: Callable[[int], torch.Tensor]  # bucket -> logits, reading its static inputs and the static cache
     what: str = "decode graph(s) (batch buckets"  # for the log line
+    pdl_early_trigger: bool = True  # pdl_launches' choice for the captures (OpTable.pdl_early_trigger)
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     pool: object = None
@@ -132,7 +133,7 @@ class BucketGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(device)
-        with pdl_launches():  # the warm-up compiles the kernels the capture launches
+        with pdl_launches(self.pdl_early_trigger):  # the warm-up compiles the kernels the capture launches
             self._capture_each(missing, stream, device, show_progress)
         torch.cuda.synchronize(device)
 

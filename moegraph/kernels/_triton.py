@@ -74,21 +74,23 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
-def pdl_launches():
+def pdl_launches(early_trigger: bool = True):
     """Within it (this thread), the kernels launch with programmatic dependent launch where the device has it: around
     the warm-up and capture of the decode graphs, where one kernel follows another with nothing in between. Eager
-    calls (prefill, an eager decode loop) launch plainly: the host, not the launch, is their limit."""
-    depth = getattr(_scope, "depth", 0)
-    _scope.depth = depth + 1
+    calls (prefill, an eager decode loop) launch plainly: the host, not the launch, is their limit.
+    early_trigger: each kernel lets the next one launch at its start (True) or once its own wait is over (False:
+    then one kernel at most waits ahead of the running one, not a chain of them); PDL_EARLY_TRIGGER overrides it."""
+    saved = getattr(_scope, "depth", 0), getattr(_scope, "early_trigger", True)
+    _scope.depth, _scope.early_trigger = saved[0] + 1, early_trigger
     try:
         yield
     finally:
-        _scope.depth = depth
+        _scope.depth, _scope.early_trigger = saved
 
 
-# A kernel lets the next one launch at its start (True) or once its own wait is over (False: one kernel waits ahead
-# of the one running, not a chain of them). Read at each launch, so a capture after a change takes the new one.
-PDL_EARLY_TRIGGER = True
+# None: each capture's pdl_launches(early_trigger) decides; True / False forces the trigger at a kernel's start /
+# after its wait for every capture (benchmarks/ab_decode.py's pdl_late_trigger). Read at each launch.
+PDL_EARLY_TRIGGER = None
 
 
 def pdl(device: torch.device) -> dict:
@@ -99,13 +101,14 @@ def pdl(device: torch.device) -> dict:
     before it writes."""
     if not getattr(_scope, "depth", 0) or not _pdl_on(device.type, device.index):
         return {}
-    return {"USE_PDL": 1 if PDL_EARLY_TRIGGER else 2, "launch_pdl": True}
+    early = _scope.early_trigger if PDL_EARLY_TRIGGER is None else PDL_EARLY_TRIGGER
+    return {"USE_PDL": 1 if early else 2, "launch_pdl": True}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """Let the next kernel launch and wait until the previous kernel's writes are visible (no-op without PDL):
-    USE_PDL 1 lets it launch first, 2 after the wait (PDL_EARLY_TRIGGER)."""
+    USE_PDL 1 lets it launch first, 2 after the wait (pdl_launches' early_trigger)."""
     if USE_PDL == 1:
         gdc_launch_dependents()
         gdc_wait()

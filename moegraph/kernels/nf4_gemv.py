@@ -45,7 +45,10 @@ DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one r
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
 TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower at every shape measured
-LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4x slower, 256 pairs (2) 1.1-1.3x
+# code table as nf4_moe.LOOKUP: 5 (4 on the tensor-core path and behind a norm). H100, graph replay, bf16, 1 row:
+# 4096 -> 2048 5.71 us against 6.52 with 1, 2048 -> 512 3.09 against 3.37; 8 rows (as 4) 2048 -> 4096 10.70 against
+# 11.96 (nf4_kernels_h100_2026-12-06c.txt); the decode step: nf4_moe.py
+LOOKUP = 5
 X_PAIRS = False  # not yet timed: see nf4_moe.py's X_PAIRS
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 

@@ -42,18 +42,17 @@ FEW_TOKENS_BLOCK_N = (8, 16)
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
-LOOKUP = 1  # code table: 16 values in shared memory; an L1 gather (0) is 4-6x slower, 256 pairs (2) 1.3-1.6x
-# LOOKUP 4 (warp shuffles, CUDA only): no shared memory in the loop; 5: the same a 32-bit word of weights at a time
-# (sm_90 SASS, one token: 4.7 instructions a weight against 7.4); untimed, so not the default (ab_decode's switch
-# nf4_shuffle, tools/gpu_checks.sh nf4_shuffle)
-# 1 token: LOOKUP 3 (both nibbles in one gather) and X_PAIRS (x read as pairs in the weight tile's layout) take the
-# loop from 12 shared-memory barriers a step to 4 (tools/sass_report.py) but were no faster on the H100: 25.6 us
-# with both against 23.6 (benchmarks/results/nf4_kernels_h100_2026-12-05.txt)
-X_PAIRS = False
-# 2 to 15 tokens (the multiply-add path's few-token tiles): both on, batch 8 (53 experts) 123.2 us against 140.6
-# with neither, 128.2 with X_PAIRS alone, 136.6 with LOOKUP 3 alone (same file, H100)
-FEW_TOKENS_LOOKUP = 3
-FEW_TOKENS_X_PAIRS = True
+# Code table: LOOKUP 5 (CUDA, 16-bit x, whole 64-blocks: a 32-bit word of 8 weights at a time, their code values by
+# warp shuffles from a table held one value a lane; elsewhere 4, the same per nibble, or 1 off NVIDIA). H100, 48
+# layers, NF4 decode step (ab_decode.py, 2026-12-06, with the graphs' late PDL trigger): batch 1 2.63 ms against
+# 2.86 with 1 (one token) and 3 (2-15 tokens), batch 8 7.16 against 8.83. Kernels alone (nf4_kernels.py, graph
+# replay): 1 token 22.2 us against 24.6, 8 tokens 96.9 against 123.2 (benchmarks/results/
+# nf4_kernels_h100_2026-12-06c.txt). Before it: 1 token LOOKUP 1 (shared memory; an L1 gather, 0, is 4-6x slower,
+# 256 pairs, 2, 1.3-1.6x), 2-15 tokens LOOKUP 3 with X_PAIRS.
+LOOKUP = 5
+X_PAIRS = False  # x read as pairs in the weight tile's layout (LOOKUP 1-4 only: the words path loads x itself)
+FEW_TOKENS_LOOKUP = 5
+FEW_TOKENS_X_PAIRS = True  # where LOOKUP 5 falls back to 4 (batch 8: 123.2 us with pairs and LOOKUP 3, 136.6 without)
 # multiply-add path: the down GEMVs and the weighted combine in one launch (same bits). Off: on the H100 the NF4
 # batch-1 step took 3.77 ms with it against 2.85 (ab_decode.py, 48 layers, 2026-12-06): 1 token x 2048 / BLOCK_N
 # programs, each decoding 8 experts' rows in turn, are too few to keep the loads in flight

@@ -153,7 +153,8 @@ def test_add_rms_norm_in_front_of_the_nf4_group(use_dot, nested, add):
     x = torch.randn(rows, k, generator=_gen(62)).to(DEVICE, dtype) if add else None
     norm_weight = (1 + 0.1 * torch.randn(k, generator=_gen(63))).to(DEVICE, dtype)
     code = nf4_code(DEVICE)
-    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64)
+    # lookup 1: the norm path's table (words need x as it is in memory), so that the plain group sums in its order
+    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64, lookup=1)
     summed, outs = nf4_add_rms_norm_linear_group(residual, x, norm_weight, 1e-6, weights, code, config)
     if add:
         want_summed, hidden = add_rms_norm(residual, x, norm_weight, 1e-6)
@@ -373,9 +374,9 @@ def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_few_tokens_take_one_gather_and_x_pairs_by_default(monkeypatch):
-    """2-15 tokens default to FEW_TOKENS_LOOKUP / FEW_TOKENS_X_PAIRS (measured faster at 8 tokens), one token to
-    LOOKUP / X_PAIRS; a config's own choice wins. Both forms give the same bits."""
+def test_few_tokens_and_one_token_take_their_own_defaults(monkeypatch):
+    """2-15 tokens default to FEW_TOKENS_LOOKUP / FEW_TOKENS_X_PAIRS, one token to LOOKUP / X_PAIRS (both the
+    words lookup, measured faster on the H100); a config's own choice wins. LOOKUP 1 and 3 give the same bits."""
     from moegraph.kernels import nf4_moe
 
     launched = []
@@ -391,13 +392,13 @@ def test_few_tokens_take_one_gather_and_x_pairs_by_default(monkeypatch):
     for tokens, want in ((3, (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS)),
                          (1, (nf4_moe.LOOKUP, nf4_moe.X_PAIRS))):
         launched.clear()
-        default = run(tokens, NF4MoEConfig(block_k=64))
+        run(tokens, NF4MoEConfig(block_k=64))
         assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {want}
         launched.clear()
-        other = (1, False) if want != (1, False) else (3, True)
-        assert torch.equal(default, run(tokens, NF4MoEConfig(block_k=64, lookup=other[0], x_pairs=other[1])))
-        assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {other}
-    assert (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS) == (3, True)
+        one_gather = run(tokens, NF4MoEConfig(block_k=64, lookup=3, x_pairs=True))
+        assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {(3, True)}
+        assert torch.equal(one_gather, run(tokens, NF4MoEConfig(block_k=64, lookup=1, x_pairs=False)))
+    assert (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS) == (5, 5, True)
 
 
 def test_x_pairs_only_where_the_words_are_aligned():

@@ -24,8 +24,12 @@ def test_pdl_arguments_only_inside_the_scope_and_on_a_device_that_has_it(monkeyp
         with _triton.pdl_launches():
             assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}
         assert _triton.pdl(gpu) == {"USE_PDL": True, "launch_pdl": True}  # the outer scope still holds
-        monkeypatch.setattr(_triton, "PDL_EARLY_TRIGGER", False)
-        assert _triton.pdl(gpu) == {"USE_PDL": 2, "launch_pdl": True}  # the next kernel launches after the wait
+        with _triton.pdl_launches(early_trigger=False):
+            assert _triton.pdl(gpu) == {"USE_PDL": 2, "launch_pdl": True}  # the next kernel launches after the wait
+            monkeypatch.setattr(_triton, "PDL_EARLY_TRIGGER", True)  # a benchmark's override
+            assert _triton.pdl(gpu) == {"USE_PDL": 1, "launch_pdl": True}
+            monkeypatch.setattr(_triton, "PDL_EARLY_TRIGGER", None)
+        assert _triton.pdl(gpu) == {"USE_PDL": 1, "launch_pdl": True}  # the outer scope's trigger is back
     assert _triton.pdl(gpu) == {}
 
 
