@@ -6,7 +6,8 @@ default changes only after this has timed it.
     python benchmarks/ab_decode.py --num-layers 12 --switches pair_combine,nf4_x_pairs --batch-sizes 1
 
 Switches (each a module-level choice that a new patch's captures read):
-- fuse_norms: the norms before attention and the router inside the GEMVs after them (ops.FUSE_NORMS);
+- fuse_norms: the norms before attention and the router inside the GEMVs after them (ops.FUSE_NORMS; by default
+  fused for dense projections, not for Linear4bit ones);
 - pair_combine: the pair path's down GEMVs and the weighted combine in one launch (fused_moe.PAIR_COMBINE, and
   nf4_moe.PAIR_COMBINE for the NF4 multiply-add path);
 - gemv_dot: dense q/k/v (with its norm) and o_proj at 5-16 rows through the GEMV's tensor-core form instead of
@@ -39,8 +40,8 @@ from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
 
-def _fuse_norms(on: bool) -> None:
-    ops.FUSE_NORMS = on
+def _fuse_norms(on) -> None:
+    ops.FUSE_NORMS = on  # None: by the projections' format
 
 
 def _pair_combine(on: bool) -> None:
@@ -89,7 +90,7 @@ def _pdl_late_trigger(on) -> None:
 
 
 # name -> (setter, default state, NF4 rows only)
-SWITCHES = {"fuse_norms": (_fuse_norms, True, False), "pair_combine": (_pair_combine, False, False),
+SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_combine, False, False),
             "gemv_dot": (_gemv_dot, False, False), "one_warp": (_one_warp, True, False),
             "align_histogram": (_align_histogram, False, False), "nf4_x_pairs": (_nf4_x_pairs, False, True),
             "nf4_shuffle": (_nf4_shuffle, True, True), "nf4_moe_words": (_nf4_moe_words, True, True),

@@ -33,7 +33,12 @@ DENSE = "dense"  # expert or projection weights as plain tensors in the compute 
 NF4 = "nf4"  # experts in moegraph's NF4 format (moegraph/quant)
 LINEAR4BIT = "linear4bit"  # projections as bitsandbytes Linear4bit
 KERNEL_CHOICES = ("auto", "triton", "torch")
-FUSE_NORMS = True  # the norms before attention and the router inside the GEMVs after them (ops_for_model's default)
+# The norms before attention and the router inside the GEMVs after them (ops_for_model's default). None: by the
+# projections' format: fused for dense ones; not for Linear4bit, whose q/k/v GEMV then reads x as it is in memory
+# and takes the words lookup (kernels/nf4_gemv.py): H100, 48 layers, NF4 batch 1 2.53 ms a step unfused against
+# 2.63 fused, batch 8 7.15 either way; bf16 within 0.1% either way (ab_decode.py fuse_norms, 2026-12-06).
+# True / False forces it (a benchmark's A/B).
+FUSE_NORMS = None
 
 
 @dataclass(frozen=True)
@@ -408,15 +413,19 @@ def _first_experts(model: nn.Module) -> nn.Module | None:
 def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "auto",
                   fuse_norms: bool | None = None) -> OpTable:
     """The table for a model's decode step, from its device, expert dtype and weight formats. fuse_norms None:
-    FUSE_NORMS (what a benchmark's A/B switches for every decoder built after it)."""
+    FUSE_NORMS (what a benchmark's A/B switches for every decoder built after it), or if that is None, fused
+    unless the projections are Linear4bit."""
     fuse_norms = FUSE_NORMS if fuse_norms is None else fuse_norms
     config = model.config.get_text_config()  # a vision-language model's decoder config is nested
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     experts = _first_experts(model)
+    projections = _projection_format(model)
+    if fuse_norms is None:
+        fuse_norms = projections != LINEAR4BIT
     if experts is None:
-        formats = WeightFormats(DENSE, _projection_format(model))
+        formats = WeightFormats(DENSE, projections)
         return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels, fuse_norms)
-    formats = WeightFormats(experts_format(experts), _projection_format(model))
+    formats = WeightFormats(experts_format(experts), projections)
     return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels,
                        fuse_norms)
 
