@@ -225,7 +225,16 @@ def _gemv_state(module: nn.Module, x: torch.Tensor):
 
 
 def _compute_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
-    return getattr(module, "compute_dtype", None) or x.dtype
+    """The dtype moegraph's NF4 GEMV computes a Linear4bit in for rows x: the module's compute_dtype, except float32
+    (BitsAndBytesConfig's default) on 16-bit rows below DOT_MIN_M: there the GEMV multiplies the exact float32
+    weights with x and sums in float32 whatever x's type, so x stays as it is (its words lookup reads 16-bit x) and
+    the output is rounded once to x's type, as bitsandbytes' forward rounds its float32 output."""
+    from .kernels.nf4_gemv import DOT_MIN_M
+
+    compute = getattr(module, "compute_dtype", None) or x.dtype
+    if compute == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] < DOT_MIN_M:
+        return x.dtype
+    return compute
 
 
 def _nf4_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -268,19 +277,15 @@ def _nf4_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch.T
                            attn: nn.Module):
     """add + RMSNorm + the q/k/v Linear4bit projections in one NF4 GEMV launch (nf4_gemv's
     nf4_add_rms_norm_linear_group) where _nf4_gemv_qkv would take them in one launch, the projections compute
-    in the rows' dtype (or float32 at one row) and the norm weight is of it, up to gemv.NORM_MAX_ROWS rows;
-    otherwise `unfused`."""
-    from .kernels.nf4_gemv import DOT_MIN_M, NF4Tensors, nf4_add_rms_norm_linear_group
+    in the rows' dtype (_compute_dtype: float32 counts as it below DOT_MIN_M rows) and the norm weight is of it,
+    up to gemv.NORM_MAX_ROWS rows; otherwise `unfused`."""
+    from .kernels.nf4_gemv import NF4Tensors, nf4_add_rms_norm_linear_group
 
     modules = (attn.q_proj, attn.k_proj, attn.v_proj)
     states = [_gemv_state(m, residual) for m in modules]
     with_bias = {m.bias is not None for m in modules}
-    # Below DOT_MIN_M rows the GEMV multiplies exact float32 weights and sums in float32 whatever the compute
-    # dtype, so float32 (BitsAndBytesConfig's default) changes only the input's type, exactly, and the output's:
-    # rounded once to the rows' dtype either way.
-    computes = {residual.dtype, torch.float32} if residual.shape[0] < DOT_MIN_M else {residual.dtype}
     if (residual.shape[0] > gemv.NORM_MAX_ROWS or any(s is None for s in states) or len(with_bias) != 1
-            or not {_compute_dtype(m, residual) for m in modules} <= computes
+            or {_compute_dtype(m, residual) for m in modules} != {residual.dtype}
             or norm.weight.dtype != residual.dtype or len({s.nested for s in states}) != 1):
         return unfused(norm, residual, x, attn)
 

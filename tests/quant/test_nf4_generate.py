@@ -165,3 +165,35 @@ def test_float32_compute_projections_take_the_fused_norm_at_one_row(monkeypatch,
         assert all(torch.equal(a, b) for a, b in zip(qkv, results[torch.bfloat16][1]))
     else:  # float32 compute apart: the same function as the unfused op
         assert all(torch.equal(a, b) for a, b in zip(qkv, results[torch.float32, "apart"][1]))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_float32_compute_projections_read_16_bit_rows_at_one_row(monkeypatch, rows):
+    """At one row a float32-compute Linear4bit (BitsAndBytesConfig's default) runs the NF4 GEMV on the rows as they
+    are (bf16: the words lookup reads them), with the bits of bf16 compute: the products are of exact float32
+    weights either way, summed in float32 and rounded once. From two rows (tensor cores, weights rounded to the
+    compute dtype) the GEMV computes in float32 as the module asks."""
+    from moegraph import ops
+    from moegraph.kernels import nf4_gemv, triton_available
+
+    if not triton_available(torch.empty(0)):
+        pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    model = build_model("tiny", seed=9, quant="nf4", num_layers=1, dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, model.config.hidden_size, generator=gen).bfloat16()
+    attn_out = torch.randn(rows, attn.o_proj.in_features, generator=gen).bfloat16()
+    seen = []
+    for name in ("nf4_linear", "nf4_linear_group"):
+        kernel = getattr(nf4_gemv, name)
+        monkeypatch.setattr(nf4_gemv, name, lambda x, *a, _k=kernel, **k: seen.append(x.dtype) or _k(x, *a, **k))
+    results = {}
+    for compute in (torch.bfloat16, torch.float32):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            proj.compute_dtype = compute
+        seen.clear()
+        results[compute] = (ops._nf4_gemv_linear(attn.o_proj, attn_out), *ops._nf4_gemv_qkv(attn, x))
+        assert seen == [torch.bfloat16 if rows == 1 else compute] * 2
+    assert all(t.dtype == torch.bfloat16 for t in results[torch.float32])
+    if rows == 1:
+        assert all(torch.equal(a, b) for a, b in zip(results[torch.float32], results[torch.bfloat16]))
