@@ -22,6 +22,10 @@ Switches (each a module-level choice that a new patch's captures read):
   rows only;
 - nf4_moe_words / nf4_few_words / nf4_gemv_words: one part of nf4_shuffle alone: the one-token experts, the
   2-15-token experts, the NF4 GEMVs;
+- fuse_router_norm: the router's norm inside its GEMV (on) or apart (off), whatever the norm before attention does
+  (ops.FUSE_ROUTER_NORM; by default as that one: with 4-bit projections both apart);
+- attn_short_chunks: decode attention splits a row's keys into chunks of 64 or more (on) rather than 256
+  (decode_attention.MIN_CHUNK): a 128-key row runs in 2 programs per KV head, not 1;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -35,13 +39,21 @@ import torch
 
 from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
-from moegraph.kernels import _triton, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
+from moegraph.kernels import _triton, decode_attention, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
 
 def _fuse_norms(on) -> None:
     ops.FUSE_NORMS = on  # None: by the projections' format
+
+
+def _fuse_router_norm(on) -> None:
+    ops.FUSE_ROUTER_NORM = on  # None: as the norm before attention
+
+
+def _attn_short_chunks(on: bool) -> None:
+    decode_attention.MIN_CHUNK = 64 if on else 256
 
 
 def _pair_combine(on: bool) -> None:
@@ -95,7 +107,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "align_histogram": (_align_histogram, False, False), "nf4_x_pairs": (_nf4_x_pairs, False, True),
             "nf4_shuffle": (_nf4_shuffle, True, True), "nf4_moe_words": (_nf4_moe_words, True, True),
             "nf4_few_words": (_nf4_few_words, True, True), "nf4_gemv_words": (_nf4_gemv_words, True, True),
-            "pdl_late_trigger": (_pdl_late_trigger, None, False)}
+            "pdl_late_trigger": (_pdl_late_trigger, None, False),
+            "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, False, False)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -39,6 +39,9 @@ KERNEL_CHOICES = ("auto", "triton", "torch")
 # 2.63 fused, batch 8 7.15 either way; bf16 within 0.1% either way (ab_decode.py fuse_norms, 2026-12-06).
 # True / False forces it (a benchmark's A/B).
 FUSE_NORMS = None
+# The router's norm alone: None as the one before attention; True / False forces it (untimed with 4-bit
+# projections, where the router's GEMV is the dense one: ab_decode.py fuse_router_norm).
+FUSE_ROUTER_NORM = None
 
 
 @dataclass(frozen=True)
@@ -323,9 +326,11 @@ def _choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 @functools.lru_cache(maxsize=None)
 def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightFormats(), moe_backend: str = "auto",
-                head_dim: int = 128, kernels: str = "auto", fuse_norms: bool = True) -> OpTable:
+                head_dim: int = 128, kernels: str = "auto", fuse_norms: bool = True,
+                fuse_router_norm: bool | None = None) -> OpTable:
     """The op table for one key; cached, so every caller with the same key shares one decision.
-    fuse_norms=False keeps the norms before attention and the router in their own launches (benchmarks)."""
+    fuse_norms=False keeps the norms before attention and the router in their own launches (benchmarks);
+    fuse_router_norm, where not None, decides the router's apart."""
     device = normalize_device(device)
     small_ops, kernel_name, kernel_why = _choose_kernels(device, dtype, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
@@ -350,7 +355,8 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
     add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
     add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"], router_logits)
     fused_qkv = {_dense_gemv_qkv: _dense_gemv_add_norm_qkv, _nf4_gemv_qkv: _nf4_gemv_add_norm_qkv}.get(qkv)
-    fuse_qkv, fuse_router = fuse_norms and fused_qkv is not None, fuse_norms and kernel_name == "triton"
+    fuse_router_norm = fuse_norms if fuse_router_norm is None else fuse_router_norm
+    fuse_qkv, fuse_router = fuse_norms and fused_qkv is not None, fuse_router_norm and kernel_name == "triton"
     if fuse_qkv:
         add_norm_qkv = functools.partial(fused_qkv, add_norm_qkv)
     if fuse_router:
@@ -429,10 +435,11 @@ def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "a
         fuse_norms = projections != LINEAR4BIT
     if experts is None:
         formats = WeightFormats(DENSE, projections)
-        return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels, fuse_norms)
+        return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels, fuse_norms,
+                           FUSE_ROUTER_NORM)
     formats = WeightFormats(experts_format(experts), projections)
     return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels,
-                       fuse_norms)
+                       fuse_norms, FUSE_ROUTER_NORM)
 
 
 # experts module -> {(moe_backend, device, dtype): its table}: what the registered experts functions read per call

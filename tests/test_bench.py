@@ -221,7 +221,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     import sys
 
     from moegraph import ops
-    from moegraph.kernels import _triton, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
+    from moegraph.kernels import _triton, decode_attention, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # ab_decode imports _decode from its folder
@@ -237,12 +237,16 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "nf4_x_pairs": lambda: (nf4_moe.X_PAIRS, nf4_gemv.X_PAIRS),
                "nf4_shuffle": lambda: (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_gemv.LOOKUP),
                "nf4_moe_words": lambda: nf4_moe.LOOKUP, "nf4_few_words": lambda: nf4_moe.FEW_TOKENS_LOOKUP,
-               "nf4_gemv_words": lambda: nf4_gemv.LOOKUP, "pdl_late_trigger": lambda: _triton.PDL_EARLY_TRIGGER}
+               "nf4_gemv_words": lambda: nf4_gemv.LOOKUP, "pdl_late_trigger": lambda: _triton.PDL_EARLY_TRIGGER,
+               "fuse_router_norm": lambda: ops.FUSE_ROUTER_NORM,
+               "attn_short_chunks": lambda: decode_attention.MIN_CHUNK}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
                               ("align_histogram", (fused_moe, "ALIGN_METHOD")), ("nf4_moe_words", (nf4_moe, "LOOKUP")),
-                              ("nf4_x_pairs", (nf4_moe, "X_PAIRS")), ("pdl_late_trigger", (_triton, "PDL_EARLY_TRIGGER"))):
+                              ("nf4_x_pairs", (nf4_moe, "X_PAIRS")), ("pdl_late_trigger", (_triton, "PDL_EARLY_TRIGGER")),
+                              ("fuse_router_norm", (ops, "FUSE_ROUTER_NORM")),
+                              ("attn_short_chunks", (decode_attention, "MIN_CHUNK"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)

@@ -226,6 +226,19 @@ def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     assert calls == {"qkv": launches, "router": launches}
 
 
+@pytest.mark.parametrize("fuse_norms, fuse_router_norm", [(False, True), (True, False), (False, None)])
+def test_the_routers_norm_is_decided_apart_where_asked(fuse_norms, fuse_router_norm):
+    """resolve_ops' fuse_router_norm (ops.FUSE_ROUTER_NORM) fuses or separates the router's norm whatever the one
+    before attention does; None follows fuse_norms."""
+    from moegraph import ops
+
+    table = ops.resolve_ops(torch.device("cpu"), torch.float32, kernels="triton", fuse_norms=fuse_norms,
+                            fuse_router_norm=fuse_router_norm)
+    why = dict((op, reason) for op, _, reason in table.reasons)["norms"]
+    assert ("inside the q/k/v GEMV" in why) == fuse_norms
+    assert ("router inside its GEMV" in why) == (fuse_norms if fuse_router_norm is None else fuse_router_norm)
+
+
 def test_projections_on_tensor_cores_from_5_rows(monkeypatch):
     """gemv.DOT_MAX_ROWS = 16 (off by default until timed): at 5-16 rows q/k/v (with its norm), o_proj and a small
     lm_head run through the GEMV's tensor-core form instead of torch's linear; transformers' tokens either way."""
