@@ -35,7 +35,7 @@ LINEAR_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]  # (K, N): q (and o's 
 MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 ROWS = [1, 8]
 L = NF4LinearConfig
-LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at M = 1 only (M >= 2 takes tensor cores)
+LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are timed at M = 1 only (M >= 2: tensor cores)
     "auto": L(),
     "fma bn16 bk256 w4": L(use_dot=False, block_n=16, num_warps=4),
     "fma bn8 bk256 w4": L(use_dot=False, block_n=8, num_warps=4),
@@ -56,6 +56,14 @@ LINEAR_CONFIGS = {  # "auto" is the launcher's choice; fma configs are timed at 
     "auto lookup4": L(lookup=4),
     "auto lookup4 pairs": L(lookup=4, x_pairs=True),
     "auto lookup5": L(lookup=5),  # a 32-bit word of weights a time
+    # the words lookup (the default since 2026-12-06) in other tiles, and the shared-memory table it replaced
+    "auto lookup1": L(lookup=1),
+    "w5 bn8 bk1024 w4": L(use_dot=False, block_n=8, block_k=1024, num_warps=4),
+    "w5 bn16 bk2048 w4": L(use_dot=False, block_n=16, block_k=2048, num_warps=4),
+    "w5 bn4 bk2048 w2": L(use_dot=False, block_n=4, block_k=2048, num_warps=2),
+    "w5 bn8 bk512 w4": L(use_dot=False, block_n=8, block_k=512, num_warps=4),
+    "w5 bn16 bk512 w2": L(use_dot=False, block_n=16, block_k=512, num_warps=2),
+    "w5 bn32 bk1024 w8": L(use_dot=False, block_n=32, block_k=1024, num_warps=8),
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
@@ -86,6 +94,16 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma lookup4 pairs": C(use_dot=False, lookup=4, x_pairs=True),
     "dot lookup4": C(use_dot=True, lookup=4),
     "fma lookup5": C(use_dot=False, lookup=5),
+    # the words lookup (the default since 2026-12-06) in other tiles, and the tables it replaced
+    "fma lookup1": C(use_dot=False, lookup=1),
+    "w5 8/16 bk256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=4),
+    "w5 8/16 bk512 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=4),
+    "w5 16/32 bk512 w4": C(use_dot=False, block_k=512, num_warps=4),
+    "w5 4/8 bk512 w2": C(use_dot=False, gate_up_block_n=4, down_block_n=8, block_k=512, num_warps=2),
+    "w5 16/32 bk256 w8": C(use_dot=False, num_warps=8),
+    "w5 32/64 bk256 w8": C(use_dot=False, gate_up_block_n=32, down_block_n=64, num_warps=8),
+    "w5 16/32 bk1024 w4": C(use_dot=False, block_k=1024, num_warps=4),
+    "w5 8/8 bk1024 w2": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=1024, num_warps=2),
     # tensor cores (each expert dequantized once per step, not once per pair) below DOT_MIN_TOKENS too
     "dot lookup3": C(use_dot=True, lookup=3),
     # 8 warps: the gate_up tile's registers without spills (4 warps: 122 spill instructions, tools/sass_report.py)
@@ -159,7 +177,7 @@ def bench_linear(rows_out, copy_bw, gen):
                 moved = nf4_bytes(n, k, nested) + 2 * m * (k + n)
                 configs = LINEAR_CONFIGS if not nested else dict([next(iter(LINEAR_CONFIGS.items()))])
                 for name, cfg in configs.items():
-                    if m > 1 and name.startswith("fma"):
+                    if m > 1 and cfg.use_dot is False:  # multiply-add forms: timed at one row
                         continue
                     run = lambda w, cfg=cfg: nf4_linear(x, w.packed, w.absmax, code, n, k, config=cfg, **extra(w))  # noqa
                     try:
