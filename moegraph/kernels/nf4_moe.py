@@ -39,6 +39,9 @@ DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
 # 2 to 15 tokens, multiply-add path: 8 / 16 rows, batch 8 144.7 us against 151.6 at 16 / 32 (batch 1: 28.1 against
 # 25.0; wider steps of 512-2048 columns were slower at both, benchmarks/results/nf4_kernels_h200_wide_2026-12-03.txt)
 FEW_TOKENS_BLOCK_N = (8, 16)
+# Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
+# INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same)
+INTERPRETER_BLOCK_N = 32
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
@@ -250,9 +253,11 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     tokens, top_k = top_k_index.shape
     use_dot = _uses_dot(tokens, cfg)
     few = not use_dot and tokens > 1
-    cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or (FEW_TOKENS_BLOCK_N[0] if few
-                                                                            else GATE_UP_BLOCK_N),
-                              down_block_n=cfg.down_block_n or (FEW_TOKENS_BLOCK_N[1] if few else DOWN_BLOCK_N),
+    block_n = (FEW_TOKENS_BLOCK_N if few else (GATE_UP_BLOCK_N, DOWN_BLOCK_N))
+    if not use_dot and hidden.device.type != "cuda":
+        block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
+    cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
+                              down_block_n=cfg.down_block_n or block_n[1],
                               lookup=check_lookup(op, _default(cfg.lookup, FEW_TOKENS_LOOKUP if few else LOOKUP)),
                               x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)

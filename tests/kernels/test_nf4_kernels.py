@@ -368,9 +368,29 @@ def test_x_read_as_pairs_gives_the_same_bits(dtype, block_n):
     x = torch.randn(3, 64, generator=_gen(75)).to(DEVICE, dtype)
     index = torch.rand(3, 3, generator=_gen(76)).topk(2, dim=-1).indices.to(DEVICE)
     weights = torch.rand(3, 2, generator=_gen(77)).to(DEVICE, dtype)
+    block_n = max(block_n, 8)  # the experts' few-token tiles (2-row tiles: 6x the interpreter's programs)
     runs = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
         use_dot=False, gate_up_block_n=block_n, down_block_n=block_n, block_k=64, x_pairs=pairs))
         for pairs in (False, True)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's default tiles; on a GPU a tile's layout may order a sum")
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_interpreter_tiles_give_the_gpu_tiles_bits(tokens):
+    """Under the interpreter the multiply-add path takes INTERPRETER_BLOCK_N-row tiles by default (fewer Python
+    programs); each row's sum runs as in the GPU's thin tiles, so the bits are the same."""
+    from moegraph.kernels import nf4_moe
+
+    code = nf4_code(DEVICE)
+    gate_up, down = _random_nf4(4, 128, 64, False, seed=85), _random_nf4(4, 64, 64, False, seed=86)
+    x = torch.randn(tokens, 64, generator=_gen(87)).to(DEVICE, torch.bfloat16)
+    index = torch.rand(tokens, 4, generator=_gen(88)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=_gen(89)).to(DEVICE, torch.bfloat16)
+    gpu_tiles = (nf4_moe.FEW_TOKENS_BLOCK_N if tokens > 1 else (nf4_moe.GATE_UP_BLOCK_N, nf4_moe.DOWN_BLOCK_N))
+    runs = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
+        use_dot=False, gate_up_block_n=block_n[0], down_block_n=block_n[1]))
+        for block_n in ((None, None), gpu_tiles)]
     assert torch.equal(runs[0], runs[1])
 
 
