@@ -214,6 +214,7 @@ def main(argv=None):
     parser.add_argument("--dump", action="store_true", help="print each kernel's main loop")
     parser.add_argument("--configs", help="comma-separated row names to keep (e.g. lookup1,lookup3+x_pairs)")
     args = parser.parse_args(argv)
+    nf4_moe.INTERPRETER_BLOCK_N = None  # the CPU launches below take the GPU's tiles
     # the rows name every choice they make: the module defaults move once the GPU has timed them
     M = functools.partial(nf4_moe.NF4MoEConfig, lookup=1, x_pairs=False, combine=False)
     L = functools.partial(nf4_gemv.NF4LinearConfig, lookup=1, x_pairs=False)

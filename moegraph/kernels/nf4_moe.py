@@ -40,7 +40,8 @@ DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
 # 25.0; wider steps of 512-2048 columns were slower at both, benchmarks/results/nf4_kernels_h200_wide_2026-12-03.txt)
 FEW_TOKENS_BLOCK_N = (8, 16)
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
-# INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same)
+# INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same;
+# None: the GPU's tiles everywhere, as tools/sass_report.py compiles them from CPU launches)
 INTERPRETER_BLOCK_N = 32
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
@@ -254,7 +255,7 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     use_dot = _uses_dot(tokens, cfg)
     few = not use_dot and tokens > 1
     block_n = (FEW_TOKENS_BLOCK_N if few else (GATE_UP_BLOCK_N, DOWN_BLOCK_N))
-    if not use_dot and hidden.device.type != "cuda":
+    if INTERPRETER_BLOCK_N and not use_dot and hidden.device.type != "cuda":
         block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
                               down_block_n=cfg.down_block_n or block_n[1],
