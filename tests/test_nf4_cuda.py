@@ -75,3 +75,26 @@ def test_nf4_decode_step_matches_unpatched_nf4_model(model, prefill):
         assert first_rel.max().item() < 3e-2, first_rel  # off by 1-5% for a few steps after (H100, 2026-12-06)
     assert rel.max().item() < 0.2, rel
     assert same_argmax.float().mean().item() > 0.9
+
+def test_float32_compute_projections_decode_as_16_bit_compute_at_one_row(model):
+    """Linear4bit with BitsAndBytesConfig's default float32 compute dtype: graph replay equals the eager loop bit
+    for bit; and where every projection sees one row (batch 1, a one-token prompt, the token-row prefill) the GEMVs
+    multiply the same exact float32 weights with the rows as they are, so tokens and logits equal bf16 compute's."""
+    projections = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    prompts = random_prompts(3, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=3, device="cuda")
+    one_token = random_prompts(1, vocab_size=model.config.vocab_size, min_len=1, max_len=1, seed=4, device="cuda")
+    bf16_out, _ = _generate(model, one_token, max_batch_size=8, prefill="graphs")
+    try:
+        for m in projections:
+            m.compute_dtype = torch.float32
+        graph_out, graph_stats = _generate(model, prompts, max_batch_size=8)
+        eager_out, _ = _generate(model, prompts, max_batch_size=8, cuda_graphs=False)
+        fp32_out, _ = _generate(model, one_token, max_batch_size=8, prefill="graphs")
+    finally:
+        for m in projections:
+            m.compute_dtype = torch.bfloat16
+    assert graph_stats.graphs
+    assert torch.equal(graph_out.sequences, eager_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(graph_out.logits, eager_out.logits))
+    assert torch.equal(fp32_out.sequences, bf16_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(fp32_out.logits, bf16_out.logits))
