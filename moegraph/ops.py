@@ -36,8 +36,9 @@ KERNEL_CHOICES = ("auto", "triton", "torch")
 # The norms before attention and the router inside the GEMVs after them (ops_for_model's default). None: by the
 # projections' format: fused for dense ones; not for Linear4bit, whose q/k/v GEMV then reads x as it is in memory
 # and takes the words lookup (kernels/nf4_gemv.py): H100, 48 layers, NF4 batch 1 2.53 ms a step unfused against
-# 2.63 fused, batch 8 7.15 either way; bf16 within 0.1% either way (ab_decode.py fuse_norms, 2026-12-06).
-# True / False forces it (a benchmark's A/B).
+# 2.63 fused, batch 8 7.15 either way; bf16 within 0.1% either way (ab_decode.py fuse_norms, 2026-12-06). Since
+# then the fused NF4 q/k/v runs the words lookup behind its norm too (nf4_gemv.NORMED_WORDS), untimed: the next
+# fuse_norms A/B decides whether 4-bit projections fuse again. True / False forces it (a benchmark's A/B).
 FUSE_NORMS = None
 # The router's norm alone: None as the one before attention; True / False forces it (untimed with 4-bit
 # projections, where the router's GEMV is the dense one: ab_decode.py fuse_router_norm).

@@ -13,8 +13,9 @@
 #   kernels       ~9 min  kernel timings (NF4 tiles, grouping, fused norms)
 #   short         ~7.5 min  with little device time: a sample of each of the above but ab
 #   nf4_shuffle   ~7 min  the warp-shuffle NF4 lookups (4, 5): their values, decode and kernel timings, graph == eager
-#   batch1        ~9 min  the NF4 GPU tests, then issue 8's batch-1 leads: the words lookup's tiles (kernels), the router's norm and short
-#                           attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
+#   batch1        ~10 min the NF4 GPU tests, then issue 8's batch-1 leads: the words lookup's tiles (kernels), the norms
+#                           inside the GEMVs (q/k/v now on the words lookup behind its norm), the router's norm alone,
+#                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -104,13 +105,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cud
             --configs "fma lookup4,fma lookup4 pairs,fma lookup3 pairs,fma lookup5,auto lookup4,auto lookup5"
         ;;
     batch1)  # issue 8: what might take the NF4 batch-1 step from 2.51 ms towards 2.16 (1.5x bf16's 3.24, H100)
-        step 90 gpu_tests_nf4 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
-        step 200 nf4_kernels_words python3 benchmarks/nf4_kernels.py --configs "auto,auto lookup1,fma lookup1,w5 \
+        step 120 gpu_tests_nf4 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
+            tests/kernels/test_nf4_kernels.py -k "nf4_cuda or float32 or add_rms_norm_in_front or words or captured"
+        step 170 nf4_kernels_words python3 benchmarks/nf4_kernels.py --configs "auto,auto lookup1,fma lookup1,w5 \
 bn8 bk1024 w4,w5 bn16 bk2048 w4,w5 bn4 bk2048 w2,w5 bn8 bk512 w4,w5 bn16 bk512 w2,w5 bn32 bk1024 w8,w5 8/16 bk256 w4,\
 w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk256 w8,w5 16/32 bk1024 w4,w5 8/8 bk1024 w2"
-        step 200 ab_batch1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            fuse_router_norm,attn_short_chunks --batch-sizes 1,8 --runs 2"
-        step 100 quick_nf4_graph bash -c "cd benchmarks && python3 quick_nf4.py --num-layers 8 --batch-sizes 1"
+        step 180 ab_batch1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            fuse_norms,fuse_router_norm,attn_short_chunks --batch-sizes 1,8 --runs 2"
+        step 90 quick_nf4_graph bash -c "cd benchmarks && python3 quick_nf4.py --num-layers 8 --batch-sizes 1"
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1)" >&2

@@ -199,8 +199,10 @@ def qkv_rows(configs: dict, norm: bool, dump: bool):
         else:
             call = lambda: nf4_gemv.nf4_linear_group(x, weights, code, cfg)  # noqa: E731
         (args, kwargs), = _record(nf4_gemv, ["_nf4_linear_group_kernel"], call)["_nf4_linear_group_kernel"]
+        # behind the norm a CUDA launch runs the words lookup on a normalized copy of the row
+        overrides = dict(_cuda_overrides(cfg), NORMED_SCRATCH=norm and cfg.lookup == 5 and nf4_gemv.NORMED_WORDS)
         yield report(f"q/k/v{' +norm' if norm else ''} M=1 {label}", nf4_gemv._nf4_linear_group_kernel, args,
-                     kwargs, kwargs["BLOCK_N"] * kwargs["BLOCK_K"], _cuda_overrides(cfg), dump)
+                     kwargs, kwargs["BLOCK_N"] * kwargs["BLOCK_K"], overrides, dump)
 
 
 def _cuda_overrides(cfg) -> dict:

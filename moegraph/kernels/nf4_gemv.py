@@ -23,10 +23,10 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import InvalidArgumentError
-from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4, dequantize_nf4_ref,
-                   check_lookup, nf4_code, pairs_readable, resolve_lookup)
+from ._nf4 import (LOOKUP_WORDS, NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check_nf4,
+                   dequantize_nf4_ref, check_lookup, nf4_code, pairs_readable, resolve_lookup)
 from ._triton import pdl, pdl_wait, tl, triton
-from .gemv import row_inv_rms
+from .gemv import normed_input, row_inv_rms
 
 __all__ = ["NF4_CODE", "NF4LinearConfig", "NF4Tensors", "dequantize_nf4_ref", "nf4_add_rms_norm_linear_group",
            "nf4_code", "nf4_linear", "nf4_linear_group", "nf4_linear_ref"]
@@ -50,6 +50,10 @@ TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower
 # 11.96 (nf4_kernels_h100_2026-12-06c.txt); the decode step: nf4_moe.py
 LOOKUP = 5
 X_PAIRS = False  # not yet timed: see nf4_moe.py's X_PAIRS
+# 1 row with the norm in front (nf4_add_rms_norm_linear_group) and LOOKUP 5: each program normalizes the row into
+# its own 2K-byte scratch slice and runs the words lookup on it (else the per-nibble lookup 4, which normalizes x
+# slices in registers). Untimed: with it off, Linear4bit models keep the norm apart (ops.FUSE_NORMS)
+NORMED_WORDS = True
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 
@@ -122,16 +126,19 @@ def _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT: tl
 @triton.jit
 def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, nc1, na1, o1, out1, b1, N1, w2, a2,
                              nc2, na2, o2, out2, b2, N2, tiles0, tiles01, code_ptr, M, row_bytes, res_ptr, nw_ptr,
-                             sum_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
-                             NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             LOOKUP: tl.constexpr, NORM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
+                             sum_ptr, eps, scratch_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                             ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr, NORM: tl.constexpr = False,
+                             HAS_ADD: tl.constexpr = False, NORMED_SCRATCH: tl.constexpr = False,
                              X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
     HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it.
     NORM: x is (residual at res_ptr +) the rows before the decoder layer's RMSNorm (weight nw_ptr), normalized
-    by every program (a few KB from L2); the programs of tile 0 write the sum to sum_ptr (HAS_ADD)."""
+    by every program (a few KB from L2); the programs of tile 0 write the sum to sum_ptr (HAS_ADD).
+    NORMED_SCRATCH (NORM, one row, LOOKUP 5): each program writes its normalized row to its own slice of scratch_ptr
+    first and multiplies that, so the words lookup (which loads x as it is in memory) runs behind the norm too."""
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     first = tl.program_id(0) == 0
     tile = tl.program_id(0)
@@ -160,11 +167,32 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
                               BLOCK_K, BLOCK_M)
         if not USE_DOT:
             inv_rms = tl.sum(inv_rms, axis=0)  # the one row's
-    acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    x_src, x_row = x_ptr, m
+    if NORMED_SCRATCH:  # one row a program (no tensor cores): its own slice of the scratch rows
+        slot = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+        x_src = _store_normed_row(x_ptr, res_ptr, nw_ptr, inv_rms, m, scratch_ptr + slot * (2 * row_bytes),
+                                  2 * row_bytes, HAS_ADD, BLOCK_K)
+        x_row = m * 0
+    NORM_IN_LOOP: tl.constexpr = NORM and not NORMED_SCRATCH
+    acc, _ = _nf4_matmul(x_src, x_row, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
-                         res_ptr, nw_ptr, inv_rms, NORM, HAS_ADD, X_PAIRS)
+                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
+
+
+@triton.jit
+def _store_normed_row(x_ptr, res_ptr, nw_ptr, inv_rms, m, out_ptr, K, HAS_ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row m of the RMSNorm of (residual +) x, as the fused path normalizes its slices (normed_input), stored to
+    out_ptr [K]; returns out_ptr once every thread of the program has stored its part (the loop reads it back)."""
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + m * K + ks, mask=k_mask, other=0.0)
+        x = normed_input(x, res_ptr, nw_ptr, inv_rms, m * K + ks, k_mask, ks, k_mask, True, HAS_ADD)
+        tl.store(out_ptr + ks, x, mask=k_mask)
+    tl.debug_barrier()  # the program's stores before any of its threads reads the row
+    return out_ptr
 
 
 @triton.jit
@@ -334,14 +362,21 @@ def _launch_group(op, x, weights, code, config, biases, norm):
     args = [a for v, out, b in padded for a in (v.packed, v.absmax, v.nested_code, v.nested_absmax, v.offset, out, b,
                                                  v.rows)]
     residual, norm_weight, eps, summed = norm if norm is not None else (None, x, 0.0, x)  # x: never read
+    lookup = resolve_lookup(cfg.lookup, x, *(v.packed for v in views))
+    # behind a norm the words lookup reads a normalized copy of the row, one per program (NORMED_SCRATCH)
+    scratch = x
+    normed_scratch = (norm is not None and NORMED_WORDS and lookup == LOOKUP_WORDS and not use_dot
+                      and x.element_size() == 2 and views[0].aligned)
+    if normed_scratch:
+        scratch = torch.empty(sum(tiles) * rows_m, K, dtype=x.dtype, device=x.device)
     launch = dict(_launch_options(cfg, use_dot, block_n), **pdl(x.device))
     _nf4_linear_group_kernel[(sum(tiles), triton.cdiv(rows_m, block_m))](
         x, *args, tiles[0], sum(tiles[:2]), code, rows_m, K // 2, residual if residual is not None else x,
-        norm_weight, summed, eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        norm_weight, summed, eps, scratch, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
-        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None,
-        LOOKUP=resolve_lookup(cfg.lookup, x, *(v.packed for v in views)), NORM=norm is not None,
-        HAS_ADD=residual is not None, X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
+        EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=lookup, NORM=norm is not None,
+        HAS_ADD=residual is not None, NORMED_SCRATCH=normed_scratch, X_PAIRS=pairs_readable(x, cfg.x_pairs),
+        **launch)
     return outs
 
 

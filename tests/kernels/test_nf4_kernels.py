@@ -143,9 +143,22 @@ def test_nf4_linear_group_equals_one_launch_per_weight(use_dot, nested, bias):
 @pytest.mark.parametrize("use_dot", [False, True])
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("add", [True, False])
-def test_add_rms_norm_in_front_of_the_nf4_group(use_dot, nested, add):
+@pytest.mark.parametrize("lookup", [1, 5])
+def test_add_rms_norm_in_front_of_the_nf4_group(monkeypatch, use_dot, nested, add, lookup):
     """The norm before attention inside the NF4 q/k/v GEMV: the summed residual exactly, and each projection the
-    norm kernel followed by the group (bit for bit where the sums run in the same order: the interpreter)."""
+    norm kernel followed by the group (bit for bit where the sums run in the same order: the interpreter). With
+    the words lookup (5) one row reads a normalized copy of itself (NORMED_SCRATCH), so the group behind the norm
+    kernel runs the words lookup too."""
+    from moegraph.kernels import nf4_gemv
+
+    scratch = []
+    kernel = nf4_gemv._nf4_linear_group_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: scratch.append(kwargs["NORMED_SCRATCH"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(nf4_gemv, "_nf4_linear_group_kernel", Recorded())
     k, dtype = 128, torch.float16
     rows = 3 if use_dot else 1
     weights = [_random_nf4(None, n, k, nested, seed=60 + n) for n in (32, 16, 48)]
@@ -153,8 +166,7 @@ def test_add_rms_norm_in_front_of_the_nf4_group(use_dot, nested, add):
     x = torch.randn(rows, k, generator=_gen(62)).to(DEVICE, dtype) if add else None
     norm_weight = (1 + 0.1 * torch.randn(k, generator=_gen(63))).to(DEVICE, dtype)
     code = nf4_code(DEVICE)
-    # lookup 1: the norm path's table (words need x as it is in memory), so that the plain group sums in its order
-    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64, lookup=1)
+    config = NF4LinearConfig(use_dot=use_dot, block_n=16 if not use_dot else 32, block_k=64, lookup=lookup)
     summed, outs = nf4_add_rms_norm_linear_group(residual, x, norm_weight, 1e-6, weights, code, config)
     if add:
         want_summed, hidden = add_rms_norm(residual, x, norm_weight, 1e-6)
@@ -162,6 +174,7 @@ def test_add_rms_norm_in_front_of_the_nf4_group(use_dot, nested, add):
     else:
         hidden = rms_norm(residual, norm_weight, 1e-6)
         assert summed is residual
+    assert scratch == [lookup == 5 and not use_dot]  # one row behind the norm: the words lookup on its copy
     for got, want in zip(outs, nf4_linear_group(hidden, weights, code, config)):
         if DEVICE == "cpu":
             assert torch.equal(got, want)
