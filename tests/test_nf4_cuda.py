@@ -78,23 +78,34 @@ def test_nf4_decode_step_matches_unpatched_nf4_model(model, prefill):
 
 def test_float32_compute_projections_decode_as_16_bit_compute_at_one_row(model):
     """Linear4bit with BitsAndBytesConfig's default float32 compute dtype: graph replay equals the eager loop bit
-    for bit; and where every projection sees one row (batch 1, a one-token prompt, the token-row prefill) the GEMVs
-    multiply the same exact float32 weights with the rows as they are, so tokens and logits equal bf16 compute's."""
+    for bit. Where a projection sees one row (a decode step at batch 1) its GEMV multiplies the same exact float32
+    weights with the row as it is, so its output equals bf16 compute's; the token-row prefill pads its rows to a
+    bucket of 16 or more, where float32 compute takes the float32 tensor-core path (other bits, same tokens here)."""
+    from moegraph.ops import _nf4_gemv_linear, _nf4_gemv_qkv
+
     projections = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    attn = model.model.layers[0].self_attn
     prompts = random_prompts(3, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=3, device="cuda")
     one_token = random_prompts(1, vocab_size=model.config.vocab_size, min_len=1, max_len=1, seed=4, device="cuda")
+    rows = {m: torch.randn(1, m.in_features, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+            for m in projections}
     bf16_out, _ = _generate(model, one_token, max_batch_size=8, prefill="graphs")
+    bf16_rows = {m: _nf4_gemv_linear(m, x) for m, x in rows.items()}
+    bf16_qkv = _nf4_gemv_qkv(attn, rows[attn.q_proj])
     try:
         for m in projections:
             m.compute_dtype = torch.float32
         graph_out, graph_stats = _generate(model, prompts, max_batch_size=8)
         eager_out, _ = _generate(model, prompts, max_batch_size=8, cuda_graphs=False)
         fp32_out, _ = _generate(model, one_token, max_batch_size=8, prefill="graphs")
+        fp32_rows = {m: _nf4_gemv_linear(m, x) for m, x in rows.items()}
+        fp32_qkv = _nf4_gemv_qkv(attn, rows[attn.q_proj])
     finally:
         for m in projections:
             m.compute_dtype = torch.bfloat16
     assert graph_stats.graphs
     assert torch.equal(graph_out.sequences, eager_out.sequences)
     assert all(torch.equal(a, b) for a, b in zip(graph_out.logits, eager_out.logits))
+    assert all(torch.equal(fp32_rows[m], bf16_rows[m]) for m in projections)
+    assert all(torch.equal(a, b) for a, b in zip(fp32_qkv, bf16_qkv))
     assert torch.equal(fp32_out.sequences, bf16_out.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(fp32_out.logits, bf16_out.logits))

@@ -16,6 +16,8 @@
 #   batch1        ~10 min the NF4 GPU tests, then issue 8's batch-1 leads: the words lookup's tiles (kernels), the norms
 #                           inside the GEMVs (q/k/v now on the words lookup behind its norm), the router's norm alone,
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
+#   nf4_defaults  ~8 min  issue 8: the expert tiles per token count and 64-key attention chunks (defaults since
+#                           2026-12-07): graph == eager (bf16, NF4), the tiles beside the old ones, the chunks A/B
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -114,8 +116,16 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             fuse_norms,fuse_router_norm,attn_short_chunks --batch-sizes 1,8 --runs 2"
         step 90 quick_nf4_graph bash -c "cd benchmarks && python3 quick_nf4.py --num-layers 8 --batch-sizes 1"
         ;;
+    nf4_defaults)  # issue 8: the defaults of 2026-12-07 checked, and timed beside what they replaced
+        step 200 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
+            tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
+        step 110 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
+            --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8"
+        step 150 ab_attn_chunks bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            attn_short_chunks --batch-sizes 1,8 --runs 2"
+        ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 nf4_defaults)" >&2
         exit 2
         ;;
     esac

@@ -34,11 +34,14 @@ __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fuse
            "fused_moe_experts_nf4_ref", "nf4_code"]
 
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, E 128 H 2048 I 768:
-GATE_UP_BLOCK_N = 16  # 768 gate (+768 up) rows in 48 tiles: batch 1 40.6 us against 45.2 at 32 rows
+GATE_UP_BLOCK_N = 16  # tensor-core path: 768 gate (+768 up) rows in 48 tiles
 DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
-# 2 to 15 tokens, multiply-add path: 8 / 16 rows, batch 8 144.7 us against 151.6 at 16 / 32 (batch 1: 28.1 against
-# 25.0; wider steps of 512-2048 columns were slower at both, benchmarks/results/nf4_kernels_h200_wide_2026-12-03.txt)
+# The multiply-add path with the words lookup (LOOKUP 5), H100, graph replay (benchmarks/results/
+# nf4_kernels_h100_2026-12-07.txt): one token 8 / 16 rows, 4 warps, 19.9 us against 22.2 at 16 / 32;
+# 2 to 15 tokens 8 / 16 rows, 8 warps, batch 8 93.8 us against 96.9 with 4 warps
+ONE_TOKEN_BLOCK_N = (8, 16)
 FEW_TOKENS_BLOCK_N = (8, 16)
+FEW_TOKENS_NUM_WARPS = 8
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
 # INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same;
 # None: the GPU's tiles everywhere, as tools/sass_report.py compiles them from CPU launches)
@@ -67,11 +70,13 @@ PAIR_COMBINE = False
 class NF4MoEConfig:
     """Tile choices of one call; use_dot None means T >= DOT_MIN_TOKENS (the benchmark sweeps these)."""
 
-    gate_up_block_n: Optional[int] = None  # None: GATE_UP_BLOCK_N, or FEW_TOKENS_BLOCK_N for 2-15 tokens
-    down_block_n: Optional[int] = None  # None: DOWN_BLOCK_N, or FEW_TOKENS_BLOCK_N
+    # None: ONE_TOKEN_BLOCK_N for one token, FEW_TOKENS_BLOCK_N for 2-15, else GATE_UP_BLOCK_N / DOWN_BLOCK_N
+    gate_up_block_n: Optional[int] = None
+    down_block_n: Optional[int] = None
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None
-    num_warps: Optional[int] = None  # None: NUM_WARPS, or one warp per 16 rows on the tensor-core path
+    # None: NUM_WARPS (FEW_TOKENS_NUM_WARPS for 2-15 tokens), or one warp per 16 rows on the tensor-core path
+    num_warps: Optional[int] = None
     num_stages: Optional[int] = None  # None: Triton's default
     # None: the module's LOOKUP / X_PAIRS (FEW_TOKENS_* for 2-15 tokens) / PAIR_COMBINE at the call (what a
     # decode-wide A/B switches)
@@ -254,11 +259,12 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     tokens, top_k = top_k_index.shape
     use_dot = _uses_dot(tokens, cfg)
     few = not use_dot and tokens > 1
-    block_n = (FEW_TOKENS_BLOCK_N if few else (GATE_UP_BLOCK_N, DOWN_BLOCK_N))
+    block_n = _default_block_n(tokens, use_dot)
     if INTERPRETER_BLOCK_N and not use_dot and hidden.device.type != "cuda":
         block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
                               down_block_n=cfg.down_block_n or block_n[1],
+                              num_warps=cfg.num_warps or (FEW_TOKENS_NUM_WARPS if few else None),
                               lookup=check_lookup(op, _default(cfg.lookup, FEW_TOKENS_LOOKUP if few else LOOKUP)),
                               x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
@@ -283,6 +289,12 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
             cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
     return combine(out, position, top_k_weights, hidden.dtype)
+
+
+def _default_block_n(tokens: int, use_dot: bool) -> tuple[int, int]:
+    if use_dot:
+        return GATE_UP_BLOCK_N, DOWN_BLOCK_N
+    return ONE_TOKEN_BLOCK_N if tokens == 1 else FEW_TOKENS_BLOCK_N
 
 
 def _default(value, default):

@@ -84,7 +84,7 @@ def test_kernel_bf16_matches_sdpa_reference_to_bf16_rounding():
 
 def test_max_splits_fill_the_gpu_but_never_exceed_what_capacity_can_use():
     cpu = torch.device("cpu")
-    assert choose_max_splits(1, 4, 256, cpu) == 1  # one MIN_CHUNK of capacity: nothing to split
+    assert choose_max_splits(1, 4, MIN_CHUNK, cpu) == 1  # one MIN_CHUNK of capacity: nothing to split
     assert choose_max_splits(64, 4, 1 << 15, cpu) == 1  # the batch alone fills the (8-SM stand-in) device
     assert 1 < choose_max_splits(1, 4, 1 << 15, cpu) <= (1 << 15) // MIN_CHUNK
 

@@ -400,7 +400,7 @@ def test_interpreter_tiles_give_the_gpu_tiles_bits(tokens):
     x = torch.randn(tokens, 64, generator=_gen(87)).to(DEVICE, torch.bfloat16)
     index = torch.rand(tokens, 4, generator=_gen(88)).topk(2, dim=-1).indices.to(DEVICE)
     weights = torch.rand(tokens, 2, generator=_gen(89)).to(DEVICE, torch.bfloat16)
-    gpu_tiles = (nf4_moe.FEW_TOKENS_BLOCK_N if tokens > 1 else (nf4_moe.GATE_UP_BLOCK_N, nf4_moe.DOWN_BLOCK_N))
+    gpu_tiles = nf4_moe._default_block_n(tokens, use_dot=False)
     runs = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
         use_dot=False, gate_up_block_n=block_n[0], down_block_n=block_n[1]))
         for block_n in ((None, None), gpu_tiles)]
