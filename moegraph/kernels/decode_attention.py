@@ -11,7 +11,8 @@ Two launches, both with grids fixed by (b, Hkv or Hq, max_splits), so one captur
    (more splits for longer rows, at least MIN_CHUNK keys each, at most max_splits); a program past its row's
    splits returns at once, so a short call on a large cache reads no more than on a small one.
    It writes an unnormalised partial (running max m, sum l, weighted values acc) per split, in float32.
-2. `_combine_kernel`, grid (b, Hq): merges the row's partials (and the sink) into the output.
+2. `_combine_kernel`, grid (b, Hq): merges the row's partials (and the sink) into the output, COMBINE_SPLITS
+   partials at a time.
 max_splits is chosen on the host from (b, Hkv, capacity) only, so it is fixed for a captured graph.
 Softmax in base 2 with the scale folded in (exp2 is one instruction); P is rounded to the value dtype before
 P @ V, as flash attention does, so bf16 results match SDPA to bf16 rounding.
@@ -34,6 +35,7 @@ BLOCK_N = 64  # keys per inner step
 # (benchmarks/results/ab_decode_attn_chunks_h100_2026-12-07.txt)
 MIN_CHUNK = 64
 WAVES = 4  # programs to aim for per SM when choosing max_splits
+COMBINE_SPLITS = 32  # partials the combine weighs at a time
 
 
 @triton.jit
@@ -99,8 +101,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
 
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, pos_ptr, sink_ptr, out_ptr, q_heads, window, max_splits,
-                    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                    MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_STEP: tl.constexpr,
+                    BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
                     USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
@@ -124,8 +126,17 @@ def _combine_kernel(acc_ptr, ml_ptr, pos_ptr, sink_ptr, out_ptr, q_heads, window
     if HAS_SINK:
         denominator += tl.exp2(tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max)
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / denominator
+    # the partials SPLITS_STEP splits at a time: all of them at once ([SPLITS_PAD, HEAD_DIM] float32) would spill
+    # registers at 64 splits and more
+    total = tl.zeros([HEAD_DIM], tl.float32)
+    for first in range(0, used, SPLITS_STEP):
+        step = first + tl.arange(0, SPLITS_STEP)
+        live_step = step < used
+        step_part = (row * q_heads + head) * max_splits + step
+        step_weight = tl.exp2(tl.load(ml_ptr + step_part * 2, mask=live_step, other=float("-inf")) - m_max)
+        acc = tl.load(acc_ptr + step_part[:, None] * HEAD_DIM + dims[None, :], mask=live_step[:, None], other=0.0)
+        total += tl.sum(acc * step_weight[:, None], 0)
+    out = total / denominator
     tl.store(out_ptr + (row * q_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
@@ -159,6 +170,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     out = torch.empty_like(q)
     windowed = window is not None
     window = window if windowed else 0
+    splits_pad = triton.next_power_of_2(max_splits)
     _split_kernel[(rows, kv_heads, max_splits)](
         q, key_cache, value_cache, positions, positions if cache_rows is None else cache_rows, partial_acc,
         partial_ml, q_heads, key_cache.stride(0), key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
@@ -168,8 +180,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         **pdl(q.device))
     _combine_kernel[(rows, q_heads)](
         partial_acc, partial_ml, positions, sinks if sinks is not None else partial_ml, out, q_heads, window,
-        max_splits, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(max_splits), BLOCK=BLOCK_N,
-        MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4, **pdl(q.device))
+        max_splits, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, SPLITS_STEP=min(splits_pad, COMBINE_SPLITS),
+        BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4, **pdl(q.device))
     return out
 
 

@@ -59,6 +59,23 @@ def test_kernel_matches_fp32_reference(rows, q_heads, kv_heads, head_dim, max_sp
 
 
 @needs_triton
+def test_combine_weighs_the_partials_a_step_at_a_time(monkeypatch):
+    """More splits than the combine takes at once (COMBINE_SPLITS, 2 here): its steps give what one step gives."""
+    from moegraph.kernels import decode_attention as module
+
+    rows, q_heads, kv_heads, head_dim, capacity = 2, 4, 2, 16, 4 * MIN_CHUNK + 30
+    q, k, v = _inputs(rows, q_heads, kv_heads, head_dim, capacity, torch.float32, seed=4)
+    positions = torch.tensor([capacity - 1, MIN_CHUNK + 5], device=DEVICE)
+    sinks = torch.randn(q_heads, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    one_step = decode_attention(q, k, v, positions, 0.25, sinks=sinks, max_splits=5)
+    monkeypatch.setattr(module, "COMBINE_SPLITS", 2)
+    steps = decode_attention(q, k, v, positions, 0.25, sinks=sinks, max_splits=5)
+    torch.testing.assert_close(steps, one_step, atol=1e-6, rtol=1e-6)
+    want = _fp32_attention(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), 0.25, None, sinks.cpu())
+    torch.testing.assert_close(steps.cpu().double(), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_triton
 def test_kernel_reads_no_position_past_a_row_or_before_its_window():
     """Poison (NaN) everything outside each row's visible span: the output stays finite and unchanged."""
     rows, q_heads, kv_heads, head_dim, capacity = 2, 4, 2, 16, MIN_CHUNK + 40
