@@ -119,8 +119,9 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
     nf4_defaults)  # issue 8: the defaults of 2026-12-07 checked, and timed beside what they replaced
         step 200 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
-        step 110 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
-            --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8"
+        step 150 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
+            --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8,\
+w5 8/16 bk256 w4 s3,w5 8/16 bk256 w4 s4,w5 8/16 bk512 w8 s3,w5 4/8 bk256 w2 s3"
         step 150 ab_attn_chunks bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             attn_short_chunks --batch-sizes 1,8 --runs 2"
         ;;
