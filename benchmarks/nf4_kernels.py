@@ -109,6 +109,9 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 8/16 bk512 w8 s3": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8,
                              num_stages=3),
     "w5 4/8 bk256 w2 s3": C(use_dot=False, gate_up_block_n=4, down_block_n=8, num_warps=2, num_stages=3),
+    # the down GEMVs and the weighted combine in one launch, on thin tiles (more programs for one token's rows)
+    "w5 8/4 bk256 w2 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=4, num_warps=2, combine=True),
+    "w5 8/8 bk256 w4 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=8, num_warps=4, combine=True),
     "w5 32/64 bk256 w8": C(use_dot=False, gate_up_block_n=32, down_block_n=64, num_warps=8),
     "w5 16/32 bk1024 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=1024, num_warps=4),
     "w5 8/8 bk1024 w2": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=1024, num_warps=2),

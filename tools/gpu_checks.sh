@@ -121,7 +121,8 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
         step 150 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
             --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8,\
-w5 8/16 bk256 w4 s3,w5 8/16 bk256 w4 s4,w5 8/16 bk512 w8 s3,w5 4/8 bk256 w2 s3"
+w5 8/16 bk256 w4 s3,w5 8/16 bk256 w4 s4,w5 8/16 bk512 w8 s3,w5 4/8 bk256 w2 s3,w5 8/4 bk256 w2 combine,\
+w5 8/8 bk256 w4 combine"
         step 150 ab_attn_chunks bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             attn_short_chunks --batch-sizes 1,8 --runs 2"
         ;;
