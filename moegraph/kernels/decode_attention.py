@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
 # keys a split covers at least: below that a split's fixed cost outweighs its reads. 64 against 256: a 128-key row
 # in 2 programs per KV head, the H100's 48-layer decode step 3.4% faster at batch 1 in bf16 and in NF4
-# (benchmarks/results/ab_decode_attn_chunks_h100_2026-12-07.txt)
+# (ab_decode.py attn_short_chunks, 2026-12-06: BENCHMARKS.md, "Expert tiles and short attention chunks")
 MIN_CHUNK = 64
 WAVES = 4  # programs to aim for per SM when choosing max_splits
 COMBINE_SPLITS = 32  # partials the combine weighs at a time
