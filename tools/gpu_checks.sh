@@ -18,8 +18,8 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   nf4_defaults  ~8 min  issue 8: the expert tiles per token count and 64-key attention chunks (defaults since
 #                           2026-12-07): graph == eager (bf16, NF4), the tiles beside the old ones, the chunks A/B
-#   nf4_final     ~7 min  issue 8 with little device time: graph == eager with the 2026-12-07 defaults, the NF4
-#                           bench at batch 1 / 8, the one-token and few-token expert tiles beside the old ones
+#   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the 2026-12-07 defaults, the NF4
+#                           bench at batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -128,13 +128,11 @@ w5 8/8 bk256 w4 combine"
         step 150 ab_attn_chunks bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             attn_short_chunks --batch-sizes 1,8 --runs 2"
         ;;
-    nf4_final)  # issue 8 with little device time: what nf4_defaults checks, its A/B left out
+    nf4_final)  # issue 8 with little device time: what nf4_defaults checks, its A/B and tile sweep left out
         step 170 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
-        step 170 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
-            --total-budget-s 150 --out "$out"
-        step 90 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
-            --configs "w5 16/32 bk256 w4,w5 8/16 bk256 w4,w5 8/16 bk256 w4 s3"
+        step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+            --total-budget-s 130 --out "$out"
         ;;
     *)
         echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 nf4_defaults nf4_final)" >&2

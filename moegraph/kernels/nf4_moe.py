@@ -36,8 +36,8 @@ __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fuse
 # Measured on the H200 (benchmarks/results/nf4_kernels_h200_2026-12-03.txt), graph replay, bf16, E 128 H 2048 I 768:
 GATE_UP_BLOCK_N = 16  # tensor-core path: 768 gate (+768 up) rows in 48 tiles
 DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
-# The multiply-add path with the words lookup (LOOKUP 5), H100, graph replay (benchmarks/results/
-# nf4_kernels_h100_2026-12-07.txt): one token 8 / 16 rows, 4 warps, 19.9 us against 22.2 at 16 / 32;
+# The multiply-add path with the words lookup (LOOKUP 5), H100, graph replay (nf4_kernels.py, 2026-12-06; BENCHMARKS.md,
+# "Expert tiles and short attention chunks"): one token 8 / 16 rows, 4 warps, 19.9 us against 22.2 at 16 / 32;
 # 2 to 15 tokens 8 / 16 rows, 8 warps, batch 8 93.8 us against 96.9 with 4 warps
 ONE_TOKEN_BLOCK_N = (8, 16)
 FEW_TOKENS_BLOCK_N = (8, 16)
