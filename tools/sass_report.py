@@ -3,6 +3,7 @@
 
     python tools/sass_report.py                    # the NF4 decode kernels at Qwen3-30B-A3B's shapes, bf16
     python tools/sass_report.py --only gate_up --dump   # one family of rows, and the main loop's SASS of each
+    python tools/sass_report.py --only attention        # decode attention's combine: spills by split count
 
 Each row runs a launcher (nf4_moe.fused_moe_experts_nf4, nf4_gemv.nf4_linear_group) on CPU tensors with its
 kernels swapped for recorders, then compiles every recorded launch for sm_90 with Triton's own ptxas and reads
@@ -32,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moegraph.kernels import fused_moe, moe_combine, nf4_gemv, nf4_moe
+from moegraph.kernels import decode_attention, fused_moe, moe_combine, nf4_gemv, nf4_moe
 from moegraph.kernels._nf4 import NF4Tensors, nf4_code
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -205,6 +206,25 @@ def qkv_rows(configs: dict, norm: bool, dump: bool):
                      kwargs, kwargs["BLOCK_N"] * kwargs["BLOCK_K"], overrides, dump)
 
 
+def attention_combine_rows(splits=(32, 64, 128, 132)):
+    """Decode attention's combine for one 8192-key row at Qwen3's heads, max_splits as given, weighing the partials
+    COMBINE_SPLITS at a time and all at once: (max_splits, partials a step, spill instructions, instructions)."""
+    q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 4, 8192, 128, dtype=torch.bfloat16)
+    for max_splits in splits:
+        for step in (decode_attention.COMBINE_SPLITS, 1 << 16):
+            saved, decode_attention.COMBINE_SPLITS = decode_attention.COMBINE_SPLITS, step
+            try:
+                launches = _record(decode_attention, ["_split_kernel", "_combine_kernel"], lambda: decode_attention.
+                                   decode_attention(q, cache, cache, torch.tensor([8000]), 0.1, max_splits=max_splits))
+            finally:
+                decode_attention.COMBINE_SPLITS = saved
+            args, kwargs = launches["_combine_kernel"][0]
+            sass, _ = compile_sass(decode_attention._combine_kernel, args, kwargs, {})
+            spills = sum(1 for t in sass.splitlines() if re.search(r"\b(LDL|STL)\b", t))
+            yield max_splits, kwargs["SPLITS_STEP"], spills, len(_instructions(sass)[0])
+
+
 def _cuda_overrides(cfg) -> dict:
     """What a launch on this CPU decides otherwise than a CUDA one: the dtypes' paths and the GPU-only lookup."""
     return {"DOT_FP32": False, "EXACT_MUL": False, "LOOKUP": cfg.lookup}
@@ -212,10 +232,16 @@ def _cuda_overrides(cfg) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=("gate_up", "experts", "qkv"), help="one family of rows")
+    parser.add_argument("--only", choices=("gate_up", "experts", "qkv", "attention"), help="one family of rows")
     parser.add_argument("--dump", action="store_true", help="print each kernel's main loop")
     parser.add_argument("--configs", help="comma-separated row names to keep (e.g. lookup1,lookup3+x_pairs)")
     args = parser.parse_args(argv)
+    if args.only == "attention":
+        print(f"sm_90 SASS from Triton {triton.__version__}: decode attention's combine, 1 row, 8192 keys")
+        for max_splits, step, spills, count in attention_combine_rows():
+            print(f"max_splits {max_splits:4d}, {step:4d} partials a step: {spills:3d} spill instructions, "
+                  f"{count} in all")
+        return 0
     nf4_moe.INTERPRETER_BLOCK_N = None  # the CPU launches below take the GPU's tiles
     # the rows name every choice they make: the module defaults move once the GPU has timed them
     M = functools.partial(nf4_moe.NF4MoEConfig, lookup=1, x_pairs=False, combine=False)
