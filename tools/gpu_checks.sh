@@ -118,9 +118,12 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             fuse_norms,fuse_router_norm,attn_short_chunks --batch-sizes 1,8 --runs 2"
         step 90 quick_nf4_graph bash -c "cd benchmarks && python3 quick_nf4.py --num-layers 8 --batch-sizes 1"
         ;;
-    nf4_defaults)  # issue 8: the defaults of 2026-12-07 checked, and timed beside what they replaced
+    defaults_tests)  # graph == eager (bf16, NF4) and decode attention with the defaults of 2026-12-07
         step 200 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
+        ;;
+    nf4_defaults)  # issue 8: the defaults of 2026-12-07 checked, and timed beside what they replaced
+        stage defaults_tests
         step 150 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
             --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8,\
 w5 8/16 bk256 w4 s3,w5 8/16 bk256 w4 s4,w5 8/16 bk512 w8 s3,w5 4/8 bk256 w2 s3,w5 8/4 bk256 w2 combine,\
@@ -129,13 +132,12 @@ w5 8/8 bk256 w4 combine"
             attn_short_chunks --batch-sizes 1,8 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: what nf4_defaults checks, its A/B and tile sweep left out
-        step 170 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
-            tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
+        stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 nf4_defaults nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests nf4_defaults nf4_final)" >&2
         exit 2
         ;;
     esac
