@@ -3,7 +3,8 @@
 # (10 minutes; a session has 30 of device time). Logs and JSON go to $OUT (the device tool brings them back).
 #
 #   source .device-carry/activate.sh; bash tools/gpu_checks.sh STAGE...   (";": activate.sh fails where the carried
-#   transformers does not import, and the fallback below then takes the machine's own)
+#   transformers does not import, and tools/device_env.sh then takes the machine's own; source it too before a
+#   GPU command run by hand)
 #
 #   kernel_tests  ~5 min  kernels on CUDA, graph == eager (bf16, NF4), prefill graphs
 #   model_tests   ~4 min  every family's graph == eager, robustness          (tests = both)
@@ -31,12 +32,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_checks}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
-# A carried transformers newer than the machine's huggingface-hub allows fails to import (5.25 wants hub >= 2.4;
-# the machine had 1.33 on 2026-12-06): use the machine's own transformers then, and say which.
-if ! python3 -c "import transformers" 2>/dev/null && [ -d /tmp/site/transformers ]; then
-    rm -rf /tmp/site/transformers /tmp/site/transformers-*
-    echo "carried transformers does not import here; using the machine's $(python3 -c 'import transformers; print(transformers.__version__)')"
-fi
+source tools/device_env.sh  # the machine's own transformers where the carried one does not import
 
 step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $out/NAME.txt, report the exit status
     local seconds=$1 name=$2
