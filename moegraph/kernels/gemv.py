@@ -46,6 +46,10 @@ NUM_WARPS = 4
 DOT_ROWS_LIMIT = 16
 DOT_MAX_ROWS = 0
 DOT_TILE = (16, 256)  # 16 weight rows a program (the smallest tensor-core tile): 320 programs for q+k+v, 128 for o
+# Under Triton's interpreter (the CPU tests) each program is a Python loop: the multiply-add form takes
+# INTERPRETER_BLOCK_N weight rows a program there (each output's sum depends on BLOCK_K only: the same bits as the
+# GPU's 2-4 rows; the q/k/v GEMV behind a norm took most of a CPU generate() on 2-row tiles)
+INTERPRETER_BLOCK_N = 64
 
 
 def tile_for(rows: int, n: int, k: int) -> tuple[int, int]:
@@ -239,6 +243,8 @@ def _launch_group(x, weights, biases, tile, num_warps, norm=None, use_dot=False)
     _check_group(x, weights, use_dot)
     rows, k = x.shape
     block_n, block_k = tile or (DOT_TILE if use_dot else tile_for(rows, max(w.shape[0] for w in weights), k))
+    if tile is None and not use_dot and x.device.type != "cuda":
+        block_n = INTERPRETER_BLOCK_N
     block_k = min(block_k, triton.next_power_of_2(k))
     outs = [torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     tiles = [triton.cdiv(w.shape[0], block_n) for w in weights]

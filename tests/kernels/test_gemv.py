@@ -124,3 +124,25 @@ def test_add_rms_norm_gemv_returns_the_normalized_rows_too(rows, k, dtype, add):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=0.02)
     torch.testing.assert_close(normed.float(), want_normed.float(), **tol)
     torch.testing.assert_close(out.float(), linear_gemv_ref(normed, weight).float(), **tol)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's default tiles")
+@pytest.mark.parametrize("rows, k", [(1, 256), (3, 300)])
+def test_interpreter_tiles_give_the_gpu_tiles_bits(rows, k):
+    """Under the interpreter the multiply-add form takes INTERPRETER_BLOCK_N weight rows a program (fewer Python
+    programs); each output's sum runs in the same BLOCK_K steps as on the GPU's tiles, so the bits are the same,
+    behind the norm too."""
+    from moegraph.kernels import gemv
+
+    x, residual = _randn(rows, k, dtype=torch.bfloat16, seed=40), _randn(rows, k, dtype=torch.bfloat16, seed=41)
+    norm_weight = (1 + 0.1 * _randn(k, seed=42)).to(torch.bfloat16)
+    weights = [0.05 * _randn(n, k, dtype=torch.bfloat16, seed=43 + n) for n in (72, 12, 12)]
+    for group in (weights[:1], weights[1:]):  # wide (4-row GPU tiles) and narrow (2-row) outputs
+        gpu_tile = gemv.tile_for(rows, max(w.shape[0] for w in group), k)
+        assert gpu_tile[0] < gemv.INTERPRETER_BLOCK_N
+        got, want = linear_gemv_group(x, group), linear_gemv_group(x, group, tile=gpu_tile)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    gpu_tile = gemv.tile_for(rows, 72, k)
+    got = add_rms_norm_gemv_group(residual, x, norm_weight, 1e-6, weights)
+    want = add_rms_norm_gemv_group(residual, x, norm_weight, 1e-6, weights, tile=gpu_tile)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(got[1], want[1]))
