@@ -109,6 +109,13 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 8/16 bk512 w8 s3": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8,
                              num_stages=3),
     "w5 4/8 bk256 w2 s3": C(use_dot=False, gate_up_block_n=4, down_block_n=8, num_warps=2, num_stages=3),
+    # wider steps: more of each thread's bytes in flight (per SM at 1 token: ~12 KB at 256, ~24 KB at 512)
+    "w5 8/16 bk512 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8),
+    "w5 8/16 bk1024 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=4),
+    "w5 8/16 bk1024 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=8),
+    "w5 4/8 bk1024 w4": C(use_dot=False, gate_up_block_n=4, down_block_n=8, block_k=1024, num_warps=4),
+    "w5 4/8 bk512 w4": C(use_dot=False, gate_up_block_n=4, down_block_n=8, block_k=512, num_warps=4),
+    "w5 8/8 bk512 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=512, num_warps=4),
     # the down GEMVs and the weighted combine in one launch, on thin tiles (more programs for one token's rows)
     "w5 8/4 bk256 w2 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=4, num_warps=2, combine=True),
     "w5 8/8 bk256 w4 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=8, num_warps=4, combine=True),
@@ -294,9 +301,12 @@ def check_graph_replay(gen):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["linear", "moe"], help="run one kernel's part")
+    parser.add_argument("--rows", help="comma-separated token / activation row counts (default 1,8)")
     parser.add_argument("--configs", help="comma-separated config names to time (\"auto\" always runs), e.g. "
                                           "\"fma lookup4 pairs,auto lookup4\"")
     args = parser.parse_args()
+    if args.rows:
+        ROWS[:] = [int(r) for r in args.rows.split(",")]
     if args.configs:
         keep = set(args.configs.split(",")) | {"auto"}
         for table in (LINEAR_CONFIGS, MOE_CONFIGS):
