@@ -40,6 +40,7 @@ DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
 # "Expert tiles and short attention chunks"): one token 8 / 16 rows, 4 warps, 19.9 us against 22.2 at 16 / 32;
 # 2 to 15 tokens 8 / 16 rows, 8 warps, batch 8 93.8 us against 96.9 with 4 warps
 ONE_TOKEN_BLOCK_N = (8, 16)
+ONE_TOKEN_NUM_WARPS = 4  # 8: 18.5 us against 19.0 (nf4_kernels.py, H100, 2026-12-07); waits on ab_decode.py
 FEW_TOKENS_BLOCK_N = (8, 16)
 FEW_TOKENS_NUM_WARPS = 8
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
@@ -75,7 +76,7 @@ class NF4MoEConfig:
     down_block_n: Optional[int] = None
     block_k: int = BLOCK_K
     use_dot: Optional[bool] = None
-    # None: NUM_WARPS (FEW_TOKENS_NUM_WARPS for 2-15 tokens), or one warp per 16 rows on the tensor-core path
+    # None: ONE_TOKEN_NUM_WARPS (FEW_TOKENS_NUM_WARPS for 2-15 tokens), or one warp per 16 rows on tensor cores
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None  # None: Triton's default
     # None: the module's LOOKUP / X_PAIRS (FEW_TOKENS_* for 2-15 tokens) / PAIR_COMBINE at the call (what a
@@ -264,7 +265,7 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
         block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
                               down_block_n=cfg.down_block_n or block_n[1],
-                              num_warps=cfg.num_warps or (FEW_TOKENS_NUM_WARPS if few else None),
+                              num_warps=cfg.num_warps or _default_num_warps(tokens, use_dot),
                               lookup=check_lookup(op, _default(cfg.lookup, FEW_TOKENS_LOOKUP if few else LOOKUP)),
                               x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
@@ -295,6 +296,12 @@ def _default_block_n(tokens: int, use_dot: bool) -> tuple[int, int]:
     if use_dot:
         return GATE_UP_BLOCK_N, DOWN_BLOCK_N
     return ONE_TOKEN_BLOCK_N if tokens == 1 else FEW_TOKENS_BLOCK_N
+
+
+def _default_num_warps(tokens: int, use_dot: bool) -> Optional[int]:
+    if use_dot:
+        return None  # one warp per 16 rows
+    return ONE_TOKEN_NUM_WARPS if tokens == 1 else FEW_TOKENS_NUM_WARPS
 
 
 def _default(value, default):
