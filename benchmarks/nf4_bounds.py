@@ -7,7 +7,6 @@ back to back (as decode runs them). Three ways to time the same kernels:
 - "DRAM": every call routes to another 8 experts (16 disjoint sets in turn: L2 cannot hold them), as decode does;
 - "L2": every call routes to the same 8 experts (19 MB of NF4 weights stay in the 50 MB L2): what the kernels
   take when their bytes come fast, i.e. the instruction side;
-- LOOKUP 5 (the default) and 6 (x loaded outside the word asm, everything two steps ahead) for both;
 - "loads only": a kernel that reads the gate_up (or down) bytes in the same grid, tiles and steps as the real
   kernel (one step in flight ahead of the one in use) and only XORs them: what the bytes take in that pattern.
 If "loads only" is far below "DRAM" and "L2" close to it, the kernels are bound by their instructions; if
@@ -72,6 +71,7 @@ def main():
     x = torch.randn(1, h, device=DEVICE, generator=gen).to(DTYPE)
     rotating = routings(1, 32, gen)
     same = [rotating[0]] * 32
+    cfg = NF4MoEConfig()
     block_n = nf4_moe.ONE_TOKEN_BLOCK_N
     moved = {"gate_up": k * nf4_bytes(2 * i, h, False), "down": k * nf4_bytes(h, i, False)}
     moved["all"] = moved["gate_up"] + moved["down"]
@@ -82,17 +82,14 @@ def main():
         rows.append((kernel, how, us, moved[kernel] / us * 1e-3, 100 * moved[kernel] / (us * 1e-6) / copy_bw))
         print(rows[-1], flush=True)
 
-    for lookup in (nf4_moe.LOOKUP, 6):  # the default, and x loaded two steps ahead
-        cfg = NF4MoEConfig(lookup=lookup)
-        for how, routes in (("DRAM", rotating), ("L2", same)):
-            how = f"{how}, LOOKUP {lookup}"
-            add("all", how, [lambda r=r, cfg=cfg: fused_moe_experts_nf4(x, *r, gate_up, down, code, moe_combine, cfg)
-                             for r in routes])
-            launches = [_recorded_launches(x, r, gate_up, down, code, cfg) for r in routes]
-            for index, kernel in enumerate(("gate_up", "down")):
-                for args in launches:
-                    nf4_moe._launch(*args[index])  # compile and warm
-                add(kernel, how, [lambda a=a, index=index: nf4_moe._launch(*a[index]) for a in launches])
+    for how, routes in (("DRAM", rotating), ("L2", same)):
+        add("all", how, [lambda r=r: fused_moe_experts_nf4(x, *r, gate_up, down, code, moe_combine, cfg)
+                         for r in routes])
+        launches = [_recorded_launches(x, r, gate_up, down, code, cfg) for r in routes]
+        for index, kernel in enumerate(("gate_up", "down")):
+            for args in launches:
+                nf4_moe._launch(*args[index])  # compile and warm
+            add(kernel, how, [lambda a=a: nf4_moe._launch(*a[index]) for a in launches])
     out = torch.empty(k * max(2 * i, h), dtype=torch.int32, device=DEVICE)
     for kernel, w, second_rows, rows_n, cols, tile in (("gate_up", gate_up, i, i, h, block_n[0]),
                                                         ("down", down, 0, h, i, block_n[1])):

@@ -64,7 +64,6 @@ LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are tim
     "w5 bn8 bk512 w4": L(use_dot=False, block_n=8, block_k=512, num_warps=4),
     "w5 bn16 bk512 w2": L(use_dot=False, block_n=16, block_k=512, num_warps=2),
     "w5 bn32 bk1024 w8": L(use_dot=False, block_n=32, block_k=1024, num_warps=8),
-    "auto lookup6": L(lookup=6),  # x loaded outside the word asm, two steps ahead
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
@@ -120,12 +119,6 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     # the down GEMVs and the weighted combine in one launch, on thin tiles (more programs for one token's rows)
     "w5 8/4 bk256 w2 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=4, num_warps=2, combine=True),
     "w5 8/8 bk256 w4 combine": C(use_dot=False, gate_up_block_n=8, down_block_n=8, num_warps=4, combine=True),
-    # x loaded outside the word asm, everything two steps ahead (LOOKUP 6)
-    "w6 8/16 bk256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=4, lookup=6),
-    "w6 8/16 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=8, lookup=6),
-    "w6 16/32 bk256 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=4, lookup=6),
-    "w6 4/8 bk256 w2": C(use_dot=False, gate_up_block_n=4, down_block_n=8, num_warps=2, lookup=6),
-    "w6 8/16 bk512 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=4, lookup=6),
     "w5 32/64 bk256 w8": C(use_dot=False, gate_up_block_n=32, down_block_n=64, num_warps=8),
     "w5 16/32 bk1024 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=1024, num_warps=4),
     "w5 8/8 bk1024 w2": C(use_dot=False, gate_up_block_n=8, down_block_n=8, block_k=1024, num_warps=2),

@@ -114,32 +114,6 @@ _WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg 
     cvt.f32.f16 x7, h7;""" + _WORD_SUM + "}")
 
 
-# LOOKUP 6: as LOOKUP 5 with the 8 x values passed in two 64-bit registers ($3: x0-x3, $4: x4-x7, x0 in the low
-# bits), loaded a step ahead outside the asm: no load inside it, so nothing waits on one there
-_WORD_DOT_BF16_REGS_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;" + _WORD_CODES + """
-    mov.b64 {lo, hi}, $3;
-    shl.b32 x0, lo, 16;
-    and.b32 x1, lo, 0xffff0000;
-    shl.b32 x2, hi, 16;
-    and.b32 x3, hi, 0xffff0000;
-    mov.b64 {lo, hi}, $4;
-    shl.b32 x4, lo, 16;
-    and.b32 x5, lo, 0xffff0000;
-    shl.b32 x6, hi, 16;
-    and.b32 x7, hi, 0xffff0000;""" + _WORD_SUM + "}")
-_WORD_DOT_FP16_REGS_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;" + _WORD_CODES + """
-    mov.b64 {h0, h1, h2, h3}, $3;
-    mov.b64 {h4, h5, h6, h7}, $4;
-    cvt.f32.f16 x0, h0;
-    cvt.f32.f16 x1, h1;
-    cvt.f32.f16 x2, h2;
-    cvt.f32.f16 x3, h3;
-    cvt.f32.f16 x4, h4;
-    cvt.f32.f16 x5, h5;
-    cvt.f32.f16 x6, h6;
-    cvt.f32.f16 x7, h7;""" + _WORD_SUM + "}")
-
-
 def nf4_code(device) -> torch.Tensor:
     """The NF4 table as the kernels take it: float32 [16] on `device`."""
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
@@ -233,10 +207,9 @@ def check_nf4(op: str, t: NF4Tensors, code: torch.Tensor, device: torch.device) 
                    experts, rows, cols, True)
 
 
-LOOKUPS = (0, 1, 2, 3, 4, 5, 6)  # the forms of the code table (_nf4_codes; 5, 6: _nf4_matmul_words)
+LOOKUPS = (0, 1, 2, 3, 4, 5)  # the forms of the code table (_nf4_codes; 5: _nf4_matmul_words)
 LOOKUP_SHUFFLE = 4  # from here on the forms are PTX (warp shuffles): resolve_lookup takes LOOKUP 1 off CUDA
 LOOKUP_WORDS = 5  # LOOKUP 4 a 32-bit word of weights at a time (_nf4_matmul_words)
-LOOKUP_WORDS_X_REGS = 6  # LOOKUP 5 with x loaded a step ahead, outside the asm (the same bits)
 # Triton's interpreter runs no PTX: the word asm's arithmetic is emulated there (_word_dot)
 _EMULATE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -249,7 +222,7 @@ def resolve_lookup(lookup: int, x: torch.Tensor, *packed: torch.Tensor) -> int:
     aligned and unaligned addresses changes them (the decoder's are whole allocations: aligned)."""
     interpreted = bool(_EMULATE_PTX)  # read once, at import, as the kernels read it
     native = x.device.type == "cuda" and torch.version.hip is None and not interpreted
-    if lookup in (LOOKUP_WORDS, LOOKUP_WORDS_X_REGS) and (native or interpreted):
+    if lookup == LOOKUP_WORDS and (native or interpreted):
         if x.data_ptr() % 16 == 0 and all(p.data_ptr() % 4 == 0 for p in packed):
             return lookup
         lookup = LOOKUP_SHUFFLE
@@ -263,7 +236,7 @@ def check_lookup(op: str, lookup: int) -> int:
         raise InvalidArgumentError(f"{op}: lookup={lookup!r} is not one of {LOOKUPS} (the code table's forms: "
                                    "0 L1 gather, 1 shared 16 values, 2 shared 256 byte pairs, 3 as 1 in one gather, "
                                    "4 warp shuffles from a table held one value a lane, 5 as 4 a 32-bit word a "
-                                   "time, 6 as 5 with x loaded a step ahead)")
+                                   "time)")
     return lookup
 
 
@@ -418,19 +391,19 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
                 HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False):
-    """_nf4_matmul_bytes, or with LOOKUP 5 / 6 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
-    _nf4_matmul_words; LOOKUP 5 / 6 elsewhere reads the table as LOOKUP 4 (1 under the interpreter)."""
-    WORDS: tl.constexpr = (LOOKUP >= 5 and not USE_DOT and not NORM and ALIGNED
+    """_nf4_matmul_bytes, or with LOOKUP 5 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
+    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4 (1 under the interpreter)."""
+    WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
                            and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
     if WORDS:
         acc, acc2 = _nf4_matmul_words(x_ptr, x_rows, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                                       code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K,
-                                      NESTED, EXACT_MUL, TWO, LOOKUP == 6)
+                                      NESTED, EXACT_MUL, TWO)
     else:
         acc, acc2 = _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
                                       offset_ptr, code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE,
                                       BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL,
-                                      (1 if _EMULATE_PTX else 4) if LOOKUP >= 5 else LOOKUP, TWO, res_ptr, nw_ptr,
+                                      (1 if _EMULATE_PTX else 4) if LOOKUP == 5 else LOOKUP, TWO, res_ptr, nw_ptr,
                                       inv_rms, NORM, HAS_ADD,
                                       X_PAIRS)
     return acc, acc2
@@ -551,91 +524,50 @@ def _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offse
 @triton.jit
 def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
                       rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr,
-                      X_REGS: tl.constexpr = False):
+                      BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr):
     """The multiply-add path of _nf4_matmul_bytes (one row x_row of 16-bit x) a 32-bit word at a time: one asm per
     word of 8 weights shuffles their code values out of the lane table, loads their 8 x values (16 bytes, L1 hits)
     and sums the 8 products in float32 (in column order); the absmax scales each word's sum. Not "pure": its x
     load must stay after the kernel's wait on the kernel before it (PDL). Returns ([BLOCK_N], [BLOCK_N]) as
-    _nf4_matmul.
-    X_REGS (LOOKUP 6; the same bits): x is loaded with the words instead, as two 64-bit halves a word broadcast over
-    the tile's rows, and everything two steps ahead of its use: ptxas issues a step's loads late in the step before
-    (sm_90 SASS of LOOKUP 5: the next words ~50 instructions before the loop's end), so one step ahead leaves their
-    latency in the way; two steps leave a whole step between a load and its use."""
+    _nf4_matmul."""
     Q: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
-    AHEAD: tl.constexpr = 2 if X_REGS else 1
     if _EMULATE_PTX:
         table = 0.0  # _word_dot reads code_ptr instead
         x_row_at = x_row.to(tl.int64) * (4 * row_bytes)  # byte offsets from x_ptr
     else:
         table = _nf4_table(code_ptr, 4)
         x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
-    x_halves = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.pointer_type(tl.int64))  # 4 x values each
     ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
-    REGS_ASM: tl.constexpr = (_WORD_DOT_BF16_REGS_ASM if x_ptr.dtype.element_ty == tl.bfloat16
-                              else _WORD_DOT_FP16_REGS_ASM)
     acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
     acc2 = acc
-    step = _words_step(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, x_halves, rows, rows2,
-                       row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL, TWO, X_REGS)
-    if AHEAD == 2:
-        step_after = _words_step(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, x_halves, rows,
-                                 rows2, row_mask, kb_start + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED,
-                                 EXACT_MUL, TWO, X_REGS)
+    words, absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
+                                    kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+    words2, absmax2 = words, absmax
+    if TWO:
+        words2, absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
+                                          row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
     for kb in range(kb_start, kb_end, HALF):
-        ahead = _words_step(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, x_halves, rows, rows2,
-                            row_mask, kb + AHEAD * HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL, TWO,
-                            X_REGS)  # all masked off past the last step
-        words, absmax, words2, absmax2, x_lo, x_hi = step
+        next_words, next_absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                                  rows, row_mask, kb + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K,
+                                                  NESTED, EXACT_MUL)
+        if TWO:
+            next_words2, next_absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
+                                                        offset_ptr, rows2, row_mask, kb + HALF, kb_end, row_bytes,
+                                                        BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
         # x of word j: bytes 16 j .. 16 j + 15 of the row, loaded inside the asm (a load here would take its own
         # layout and move the word tile between threads each step); past the row's end the row start (in bounds;
         # values that the masked sum below leaves out: a masked word's codes are code[0], not 0)
         word = kb // 4 + tl.arange(0, Q)
         live = (word < kb_end // 4)[None, :]
         x_at = tl.where(live, x_row_at + 16 * word.to(tl.int64)[None, :], x_row_at + tl.zeros([BLOCK_N, Q], tl.int64))
-        acc = tl.where(live, acc + _word_dot_any(words, table, x_at, x_lo, x_hi, code_ptr, x_ptr, ASM, REGS_ASM,
-                                                 X_REGS) * absmax, acc)
+        acc = tl.where(live, acc + _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax, acc)
+        words, absmax = next_words, next_absmax
         if TWO:
-            acc2 = tl.where(live, acc2 + _word_dot_any(words2, table, x_at, x_lo, x_hi, code_ptr, x_ptr, ASM, REGS_ASM,
-                                                       X_REGS) * absmax2, acc2)
-        if AHEAD == 2:
-            step = step_after
-            step_after = ahead
-        else:
-            step = ahead
+            acc2 = tl.where(live, acc2 + _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2, acc2)
+            words2, absmax2 = next_words2, next_absmax2
     out = tl.sum(acc, axis=1)
     return out, (tl.sum(acc2, axis=1) if TWO else out)
-
-
-@triton.jit
-def _words_step(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, x_halves, rows, rows2, row_mask,
-                kb, kb_end, row_bytes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NESTED: tl.constexpr,
-                EXACT_MUL: tl.constexpr, TWO: tl.constexpr, X_REGS: tl.constexpr):
-    """What one step of _nf4_matmul_words reads: (words, absmax, words2, absmax2, x_lo, x_hi); the second stream
-    (TWO) and x (X_REGS) only where asked, else copies / zeros that nothing reads."""
-    words, absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
-                                    kb, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
-    words2, absmax2 = words, absmax
-    if TWO:
-        words2, absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
-                                          row_mask, kb, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
-    if X_REGS:
-        x_lo, x_hi = _x_halves_load(x_halves, kb, kb_end, BLOCK_N, BLOCK_K // 8)
-    else:
-        x_lo = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.int64)
-        x_hi = x_lo
-    return words, absmax, words2, absmax2, x_lo, x_hi
-
-
-@triton.jit
-def _word_dot_any(words, table, x_at, x_lo, x_hi, code_ptr, x_ptr, ASM: tl.constexpr, REGS_ASM: tl.constexpr,
-                  X_REGS: tl.constexpr):
-    if X_REGS:
-        dot = _word_dot_regs(words, table, x_lo, x_hi, code_ptr, REGS_ASM)
-    else:
-        dot = _word_dot(words, table, x_at, code_ptr, x_ptr, ASM)
-    return dot
 
 
 @triton.jit
@@ -653,37 +585,6 @@ def _word_dot(words, table, x_at, code_ptr, x_ptr, ASM: tl.constexpr):
     else:
         dot = tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words, table, x_at], dtype=tl.float32, is_pure=False,
                                         pack=1)
-    return dot
-
-
-@triton.jit
-def _x_halves_load(x_halves, kb, kb_end, BLOCK_N: tl.constexpr, Q: tl.constexpr):
-    """x of the words kb // 4 + [0, Q) of one row as two int64 halves (x 8j..8j+3, 8j+4..8j+7 of word j), broadcast
-    to the [BLOCK_N, Q] word tile (L1 hits after the first row); 0 past kb_end (the masked sum leaves them out)."""
-    word = kb // 4 + tl.arange(0, Q)
-    at = x_halves + 2 * word[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-    live = (word < kb_end // 4)[None, :]
-    return tl.load(at, mask=live, other=0), tl.load(at + 1, mask=live, other=0)
-
-
-@triton.jit
-def _word_dot_regs(words, table, x_lo, x_hi, code_ptr, ASM: tl.constexpr):
-    """_word_dot with the 8 x values given (16 bits each in x_lo then x_hi, x0 lowest): the asm, pure; under
-    Triton's interpreter the same arithmetic in Triton ops."""
-    if _EMULATE_PTX:
-        dot = tl.zeros(words.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            SHIFT: tl.constexpr = 8 * (j // 2) + 4 * (1 - j % 2)  # element 2i: high nibble of byte i
-            code = tl.load(code_ptr + ((words >> SHIFT) & 0xF))
-            bits = ((x_lo if j < 4 else x_hi) >> (16 * (j % 4))) & 0xFFFF
-            if ASM == _WORD_DOT_BF16_REGS_ASM:
-                x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            else:
-                x = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            dot = tl.fma(code, x, dot)
-    else:
-        dot = tl.inline_asm_elementwise(ASM, "=r,r,r,l,l", [words, table, x_lo, x_hi], dtype=tl.float32,
-                                        is_pure=True, pack=1)
     return dot
 
 

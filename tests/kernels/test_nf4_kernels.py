@@ -335,30 +335,6 @@ def test_words_lookup_in_every_launcher_form():
     assert _rel(b, a) < 2e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_x_loaded_ahead_gives_the_words_lookups_bits(dtype):
-    """LOOKUP 6 loads each step's x a step ahead, outside the word asm (two 64-bit halves a word): the same sums as
-    LOOKUP 5, so the same bits, in the one-token and few-token expert kernels (gate and up sharing x), a GEMV with
-    rows past N and split-K, and the grouped q/k/v GEMV."""
-    code = nf4_code(DEVICE)
-    gate_up, down = _random_nf4(4, 128, 64, False, seed=120), _random_nf4(4, 64, 64, False, seed=121)
-    for tokens in (1, 2):
-        x = torch.randn(tokens, 64, generator=_gen(122)).to(DEVICE, dtype)
-        index = torch.rand(tokens, 4, generator=_gen(123)).topk(2, dim=-1).indices.to(DEVICE)
-        weights = torch.rand(tokens, 2, generator=_gen(124)).to(DEVICE, dtype)
-        a, b = [fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, NF4MoEConfig(
-            use_dot=False, block_k=64, lookup=lookup)) for lookup in (5, 6)]
-        assert torch.equal(a, b), tokens
-    w = _random_nf4(None, 20, 256, False, seed=125)
-    x = torch.randn(1, 256, generator=_gen(126)).to(DEVICE, dtype)
-    a, b = [nf4_linear(x, w.packed, w.absmax, code, 20, 256, config=NF4LinearConfig(
-        use_dot=False, block_n=16, block_k=64, split_k=2, lookup=lookup)) for lookup in (5, 6)]
-    assert torch.equal(a, b)
-    group = [_random_nf4(None, n, 256, True, seed=127 + n) for n in (8, 12)]
-    a, b = [nf4_linear_group(x, group, code, NF4LinearConfig(block_n=8, lookup=lookup)) for lookup in (5, 6)]
-    assert all(torch.equal(o5, o6) for o5, o6 in zip(a, b))
-
-
 def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
     """LOOKUP 4 is PTX: off CUDA and under Triton's interpreter the launch takes LOOKUP 1 (the same values). LOOKUP 5
     runs on CUDA and interpreted (its asm emulated); it needs x on 16 bytes and the weight bytes on 4 (its loads),
