@@ -239,14 +239,16 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "nf4_moe_words": lambda: nf4_moe.LOOKUP, "nf4_few_words": lambda: nf4_moe.FEW_TOKENS_LOOKUP,
                "nf4_gemv_words": lambda: nf4_gemv.LOOKUP, "pdl_late_trigger": lambda: _triton.PDL_EARLY_TRIGGER,
                "fuse_router_norm": lambda: ops.FUSE_ROUTER_NORM,
-               "attn_short_chunks": lambda: decode_attention.MIN_CHUNK}
+               "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
+               "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
                               ("align_histogram", (fused_moe, "ALIGN_METHOD")), ("nf4_moe_words", (nf4_moe, "LOOKUP")),
                               ("nf4_x_pairs", (nf4_moe, "X_PAIRS")), ("pdl_late_trigger", (_triton, "PDL_EARLY_TRIGGER")),
                               ("fuse_router_norm", (ops, "FUSE_ROUTER_NORM")),
-                              ("attn_short_chunks", (decode_attention, "MIN_CHUNK"))):
+                              ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
+                              ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)

@@ -40,7 +40,9 @@ DOWN_BLOCK_N = 32  # 2048 output rows in 64 tiles
 # "Expert tiles and short attention chunks"): one token 8 / 16 rows, 4 warps, 19.9 us against 22.2 at 16 / 32;
 # 2 to 15 tokens 8 / 16 rows, 8 warps, batch 8 93.8 us against 96.9 with 4 warps
 ONE_TOKEN_BLOCK_N = (8, 16)
-ONE_TOKEN_NUM_WARPS = 4  # 8: 18.5 us against 19.0 (nf4_kernels.py, H100, 2026-12-07); waits on ab_decode.py
+# one token in 8 warps a program: kernels 18.5 us against 19.0-20.0 with 4 (nf4_kernels.py), the NF4 decode step
+# 2.257 against 2.336 ms at batch 1 (ab_decode.py nf4_one_token_w8, 48 layers; H100, 2026-12-07)
+ONE_TOKEN_NUM_WARPS = 8
 FEW_TOKENS_BLOCK_N = (8, 16)
 FEW_TOKENS_NUM_WARPS = 8
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of

@@ -408,8 +408,9 @@ def test_interpreter_tiles_give_the_gpu_tiles_bits(tokens):
 
 
 def test_few_tokens_and_one_token_take_their_own_defaults(monkeypatch):
-    """2-15 tokens default to FEW_TOKENS_LOOKUP / FEW_TOKENS_X_PAIRS, one token to LOOKUP / X_PAIRS (both the
-    words lookup, measured faster on the H100); a config's own choice wins. LOOKUP 1 and 3 give the same bits."""
+    """2-15 tokens default to FEW_TOKENS_LOOKUP / FEW_TOKENS_X_PAIRS / FEW_TOKENS_NUM_WARPS, one token to LOOKUP /
+    X_PAIRS / ONE_TOKEN_NUM_WARPS (the words lookup in 8 warps, measured faster on the H100); a config's own choice
+    wins. LOOKUP 1 and 3 give the same bits."""
     from moegraph.kernels import nf4_moe
 
     launched = []
@@ -422,16 +423,17 @@ def test_few_tokens_and_one_token_take_their_own_defaults(monkeypatch):
     weights = torch.rand(3, 2, generator=_gen(84)).to(DEVICE, torch.bfloat16)
     run = lambda t, cfg: fused_moe_experts_nf4(x[:t], index[:t], weights[:t], gate_up, down, code,  # noqa: E731
                                                moe_combine, cfg)
-    for tokens, want in ((3, (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS)),
-                         (1, (nf4_moe.LOOKUP, nf4_moe.X_PAIRS))):
+    for tokens, want in ((3, (nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS, nf4_moe.FEW_TOKENS_NUM_WARPS)),
+                         (1, (nf4_moe.LOOKUP, nf4_moe.X_PAIRS, nf4_moe.ONE_TOKEN_NUM_WARPS))):
         launched.clear()
         run(tokens, NF4MoEConfig(block_k=64))
-        assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {want}
+        assert {(cfg.lookup, cfg.x_pairs, cfg.num_warps) for cfg in launched} == {want}
         launched.clear()
         one_gather = run(tokens, NF4MoEConfig(block_k=64, lookup=3, x_pairs=True))
         assert {(cfg.lookup, cfg.x_pairs) for cfg in launched} == {(3, True)}
         assert torch.equal(one_gather, run(tokens, NF4MoEConfig(block_k=64, lookup=1, x_pairs=False)))
     assert (nf4_moe.LOOKUP, nf4_moe.FEW_TOKENS_LOOKUP, nf4_moe.FEW_TOKENS_X_PAIRS) == (5, 5, True)
+    assert (nf4_moe.ONE_TOKEN_NUM_WARPS, nf4_moe.FEW_TOKENS_NUM_WARPS) == (8, 8)
 
 
 def test_x_pairs_only_where_the_words_are_aligned():
