@@ -28,6 +28,8 @@ Switches (each a module-level choice that a new patch's captures read):
   (decode_attention.MIN_CHUNK): a 128-key row runs in 2 programs per KV head, not 1;
 - nf4_one_token_w8 (on by default since 2026-12-07): the one-token NF4 expert kernels in 8 warps a program (on)
   rather than 4 (nf4_moe.ONE_TOKEN_NUM_WARPS); NF4 rows only;
+- early_weights: under PDL the NF4 words loops load their first weight step before waiting for the kernel before
+  them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -103,6 +105,10 @@ def _nf4_one_token_w8(on: bool) -> None:
     nf4_moe.ONE_TOKEN_NUM_WARPS = 8 if on else 4
 
 
+def _early_weights(on: bool) -> None:
+    nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
+
+
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -115,7 +121,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "nf4_few_words": (_nf4_few_words, True, True), "nf4_gemv_words": (_nf4_gemv_words, True, True),
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
-            "nf4_one_token_w8": (_nf4_one_token_w8, True, True)}
+            "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
+            "early_weights": (_early_weights, False, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -240,7 +240,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "nf4_gemv_words": lambda: nf4_gemv.LOOKUP, "pdl_late_trigger": lambda: _triton.PDL_EARLY_TRIGGER,
                "fuse_router_norm": lambda: ops.FUSE_ROUTER_NORM,
                "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
-               "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS}
+               "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS,
+               "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -248,12 +249,14 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("nf4_x_pairs", (nf4_moe, "X_PAIRS")), ("pdl_late_trigger", (_triton, "PDL_EARLY_TRIGGER")),
                               ("fuse_router_norm", (ops, "FUSE_ROUTER_NORM")),
                               ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
-                              ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS"))):
+                              ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS")),
+                              ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
     monkeypatch.setattr(nf4_moe, "FEW_TOKENS_LOOKUP", nf4_moe.FEW_TOKENS_LOOKUP)
     monkeypatch.setattr(nf4_gemv, "X_PAIRS", nf4_gemv.X_PAIRS)
+    monkeypatch.setattr(nf4_gemv, "WEIGHTS_BEFORE_WAIT", nf4_gemv.WEIGHTS_BEFORE_WAIT)
     monkeypatch.setattr(ops, "FUSE_NORMS", ops.FUSE_NORMS)
     monkeypatch.setattr(qk_norm_rope, "NUM_WARPS", qk_norm_rope.NUM_WARPS)
     for name, (setter, default, _) in ab_decode.SWITCHES.items():

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..quant.nf4 import BLOCKSIZE, COMPUTE_DTYPES, NESTED_BLOCKSIZE, NF4_CODE  # the format: one place
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, pdl_wait, tl, triton
 from .gemv import normed_input
 
 if HAVE_TRITON:
@@ -390,16 +390,20 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
-                HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False):
+                HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False, WAIT: tl.constexpr = 0):
     """_nf4_matmul_bytes, or with LOOKUP 5 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
-    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4 (1 under the interpreter)."""
+    _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4 (1 under the interpreter).
+    WAIT: the caller's PDL mode (pdl_wait) where it leaves the wait to this loop, else 0: the words loop issues its
+    first step's weight loads (static: no earlier kernel's output) before waiting, so their latency overlaps the
+    previous kernel's tail; the bytes loop waits first."""
     WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
                            and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
     if WORDS:
         acc, acc2 = _nf4_matmul_words(x_ptr, x_rows, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                                       code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K,
-                                      NESTED, EXACT_MUL, TWO)
+                                      NESTED, EXACT_MUL, TWO, WAIT)
     else:
+        pdl_wait(WAIT)
         acc, acc2 = _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
                                       offset_ptr, code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, DTYPE,
                                       BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL,
@@ -524,7 +528,8 @@ def _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offse
 @triton.jit
 def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
                       rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr):
+                      BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr,
+                      WAIT: tl.constexpr = 0):
     """The multiply-add path of _nf4_matmul_bytes (one row x_row of 16-bit x) a 32-bit word at a time: one asm per
     word of 8 weights shuffles their code values out of the lane table, loads their 8 x values (16 bytes, L1 hits)
     and sums the 8 products in float32 (in column order); the absmax scales each word's sum. Not "pure": its x
@@ -547,6 +552,7 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
     if TWO:
         words2, absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
                                           row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+    pdl_wait(WAIT)  # x (loaded in the asm) is an earlier kernel's output; the weights above are not
     for kb in range(kb_start, kb_end, HALF):
         next_words, next_absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                                                   rows, row_mask, kb + HALF, kb_end, row_bytes, BLOCK_N, BLOCK_K,

@@ -50,6 +50,10 @@ TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower
 # 11.96 (nf4_kernels_h100_2026-12-06c.txt); the decode step: nf4_moe.py
 LOOKUP = 5
 X_PAIRS = False  # not yet timed: see nf4_moe.py's X_PAIRS
+# Under PDL, the words loop loads its first weight step before waiting for the kernel before it (the weights are
+# static), so that latency overlaps the previous kernel's tail (_nf4_matmul's WAIT). Untimed: ab_decode.py
+# early_weights
+WEIGHTS_BEFORE_WAIT = False
 # 1 row with the norm in front (nf4_add_rms_norm_linear_group) and LOOKUP 5: each program normalizes the row into
 # its own 2K-byte scratch slice and runs the words lookup on it (else the per-nibble lookup 4, which normalizes x
 # slices in registers). Untimed: with it off, Linear4bit models keep the norm apart (ops.FUSE_NORMS)
@@ -77,8 +81,10 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                        out_ptr, M, N, row_bytes, bytes_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                        NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+                       LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                       EARLY_WEIGHTS: tl.constexpr = False):
+    if not EARLY_WEIGHTS:
+        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote (else _nf4_matmul waits)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
     row_mask = rows < N
     kb_start = tl.program_id(2) * bytes_per_split  # K is split in bytes of the weight rows
@@ -92,7 +98,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                         False, X_PAIRS=X_PAIRS)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+                         False, X_PAIRS=X_PAIRS, WAIT=USE_PDL if EARLY_WEIGHTS else 0)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
     if SPLIT:
         offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
@@ -131,7 +137,8 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
                              ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr,
                              HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr, NORM: tl.constexpr = False,
                              HAS_ADD: tl.constexpr = False, NORMED_SCRATCH: tl.constexpr = False,
-                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                             EARLY_WEIGHTS: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
     HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it.
@@ -139,7 +146,9 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     by every program (a few KB from L2); the programs of tile 0 write the sum to sum_ptr (HAS_ADD).
     NORMED_SCRATCH (NORM, one row, LOOKUP 5): each program writes its normalized row to its own slice of scratch_ptr
     first and multiplies that, so the words lookup (which loads x as it is in memory) runs behind the norm too."""
-    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+    EARLY: tl.constexpr = EARLY_WEIGHTS and not NORM  # a norm reads x first
+    if not EARLY:
+        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote (else _nf4_matmul waits)
     first = tl.program_id(0) == 0
     tile = tl.program_id(0)
     if tile < tiles0:
@@ -177,7 +186,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     acc, _ = _nf4_matmul(x_src, x_row, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
-                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS)
+                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS, USE_PDL if EARLY else 0)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 
@@ -283,7 +292,8 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         steps_per_split * block_k // 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        LOOKUP=resolve_lookup(cfg.lookup, x, w.packed), X_PAIRS=pairs_readable(x, cfg.x_pairs), **launch)
+        LOOKUP=resolve_lookup(cfg.lookup, x, w.packed), X_PAIRS=pairs_readable(x, cfg.x_pairs),
+        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
@@ -376,7 +386,7 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=lookup, NORM=norm is not None,
         HAS_ADD=residual is not None, NORMED_SCRATCH=normed_scratch, X_PAIRS=pairs_readable(x, cfg.x_pairs),
-        **launch)
+        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, **launch)
     return outs
 
 

@@ -67,6 +67,9 @@ FEW_TOKENS_X_PAIRS = True  # where LOOKUP 5 falls back to 4 (batch 8: 123.2 us w
 # batch-1 step took 3.77 ms with it against 2.85 (ab_decode.py, 48 layers, 2026-12-06): 1 token x 2048 / BLOCK_N
 # programs, each decoding 8 experts' rows in turn, are too few to keep the loads in flight
 PAIR_COMBINE = False
+# Under PDL with the late trigger, the multiply-add down kernel reads its routing and first weight step before it
+# waits for gate_up (_down_nf4_kernel). Untimed: ab_decode.py early_weights
+WEIGHTS_BEFORE_WAIT = False
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,14 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
                      blocks_per_expert, nested_per_expert, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                      ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
-                     X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
+                     X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                     EARLY_WEIGHTS: tl.constexpr = False):
+    # EARLY_WEIGHTS with the late trigger (USE_PDL 2): the routing was written two kernels back (the kernel before
+    # this one let it launch only once that one had finished), so the expert ids and the first weight step are
+    # read before the wait for gate_up's activations
+    EARLY: tl.constexpr = EARLY_WEIGHTS and USE_PDL == 2 and not USE_DOT
+    if not EARLY:
+        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
@@ -172,7 +181,8 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
     dtype = out_ptr.dtype.element_ty
     y, _ = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                        code_ptr, n, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False, X_PAIRS=X_PAIRS)
+                       DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False, X_PAIRS=X_PAIRS,
+                       WAIT=USE_PDL if EARLY else 0)
     _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
@@ -224,11 +234,11 @@ def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim:
     return out
 
 
-def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k):
+def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k, **extra):
     slot_token, block_expert, experts = routing
     if slot_token is None:  # pair order: the kernels never read the grouping
         slot_token = block_expert = experts
-    launch = _launch_options(cfg, use_dot, block_n, out.device)
+    launch = dict(_launch_options(cfg, use_dot, block_n, out.device), **extra)
     kernel[grid](
         inputs, slot_token, block_expert, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
@@ -290,7 +300,7 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
         return _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim, top_k, hidden.dtype)
     out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
-            cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
+            cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k, EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT)
     return combine(out, position, top_k_weights, hidden.dtype)
 
 
