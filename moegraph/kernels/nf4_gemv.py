@@ -83,8 +83,9 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                        NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                        EARLY_WEIGHTS: tl.constexpr = False):
-    if not EARLY_WEIGHTS:
-        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote (else _nf4_matmul waits)
+    EARLY: tl.constexpr = EARLY_WEIGHTS  # _nf4_matmul waits, after its first weight loads
+    if not EARLY:
+        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n
     row_mask = rows < N
     kb_start = tl.program_id(2) * bytes_per_split  # K is split in bytes of the weight rows
@@ -98,7 +99,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                         False, X_PAIRS=X_PAIRS, WAIT=USE_PDL if EARLY_WEIGHTS else 0)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+                         False, X_PAIRS=X_PAIRS, WAIT=USE_PDL if EARLY else 0)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
     if SPLIT:
         offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
@@ -146,9 +147,9 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     by every program (a few KB from L2); the programs of tile 0 write the sum to sum_ptr (HAS_ADD).
     NORMED_SCRATCH (NORM, one row, LOOKUP 5): each program writes its normalized row to its own slice of scratch_ptr
     first and multiplies that, so the words lookup (which loads x as it is in memory) runs behind the norm too."""
-    EARLY: tl.constexpr = EARLY_WEIGHTS and not NORM  # a norm reads x first
+    EARLY: tl.constexpr = EARLY_WEIGHTS and not NORM  # _nf4_matmul waits (a norm reads x first)
     if not EARLY:
-        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote (else _nf4_matmul waits)
+        pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     first = tl.program_id(0) == 0
     tile = tl.program_id(0)
     if tile < tiles0:
@@ -186,7 +187,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     acc, _ = _nf4_matmul(x_src, x_row, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
-                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS, USE_PDL if EARLY else 0)
+                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS, WAIT=USE_PDL if EARLY else 0)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 

@@ -55,10 +55,42 @@ def test_every_pdl_kernel_waits_before_it_touches_memory_an_earlier_kernel_wrote
             assert not waits and all(any(getattr(a, "id", None) == "USE_PDL" for a in c.args) for c in calls
                                      if getattr(c.func, "id", None) == "_gemv_tile")
             continue
-        first = node.body[1] if isinstance(node.body[0], ast.Expr) and isinstance(
-            node.body[0].value, ast.Constant) else node.body[0]  # after the docstring
+        body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        first = body[0]  # after the docstring
+        if isinstance(first, ast.AnnAssign) and first.target.id == "EARLY":  # the NF4 kernels' EARLY_WEIGHTS
+            _assert_early_weights(file, name, node, first, body[1])
+            continue
         assert (isinstance(first, ast.Expr) and getattr(first.value.func, "id", None) == "pdl_wait"), \
             f"{file}:{name} must call pdl_wait(USE_PDL) first"
+
+
+def _assert_early_weights(file, name, node, early, second):
+    """A kernel that may leave its wait to the NF4 loop: it waits first unless EARLY, and then hands USE_PDL to
+    _nf4_matmul, whose words loop loads only weights before waiting; one that reads the routing before the wait
+    (the down kernel) does so only with the late trigger (USE_PDL 2: that routing is two kernels back)."""
+    condition = ast.unparse(early.value)
+    assert "EARLY_WEIGHTS" in condition, f"{file}:{name}"
+    assert (isinstance(second, ast.If) and ast.unparse(second.test) == "not EARLY"
+            and ast.unparse(second.body[0]) == "pdl_wait(USE_PDL)"), f"{file}:{name} must wait first unless EARLY"
+    matmuls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "_nf4_matmul"]
+    waits = [ast.unparse(kw.value) for c in matmuls for kw in c.keywords if kw.arg == "WAIT"]
+    assert matmuls and waits == ["USE_PDL if EARLY else 0"] * len(matmuls), f"{file}:{name} must hand _nf4_matmul its wait"
+    reads_routing = "_moe_program" in ast.unparse(node)
+    assert not reads_routing or "USE_PDL == 2" in condition, f"{file}:{name} reads the routing before its wait"
+
+
+def test_the_nf4_loop_waits_after_loading_only_weights():
+    """_nf4_matmul's WAIT: the words loop issues its first weight loads, then waits, then reads x (in the word asm);
+    the bytes loop waits before anything."""
+    from moegraph.kernels import _nf4
+
+    words = inspect.getsource(_nf4._nf4_matmul_words.fn)
+    before_wait = words[:words.index("pdl_wait(WAIT)")]
+    assert "_nf4_load_words(" in before_wait
+    assert "_word_dot(" not in before_wait and "tl.store" not in before_wait and "tl.load(x" not in before_wait
+    matmul = inspect.getsource(_nf4._nf4_matmul.fn)
+    bytes_branch = matmul[matmul.index("    else:"):]
+    assert bytes_branch.index("pdl_wait(WAIT)") < bytes_branch.index("_nf4_matmul_bytes(")
 
 
 def test_the_gemv_waits_before_it_reads_x_and_after_loading_only_weights():
