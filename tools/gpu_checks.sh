@@ -17,10 +17,10 @@
 #   batch1        ~10 min the NF4 GPU tests, then issue 8's batch-1 leads: the words lookup's tiles (kernels), the norms
 #                           inside the GEMVs (q/k/v now on the words lookup behind its norm), the router's norm alone,
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
-#   nf4_defaults  ~8 min  issue 8: the expert tiles per token count and 64-key attention chunks (defaults since
-#                           2026-12-07): graph == eager (bf16, NF4), the tiles beside the old ones, the chunks A/B
-#   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the 2026-12-07 defaults, the NF4
-#                           bench at batch 1 / 8
+#   early_weights ~5 min  issue 8: the NF4 words loops loading their first weights before the PDL wait (untimed,
+#                           off): graph == eager and the PDL checks with it on, the decode-step A/B at batch 1 / 8
+#   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
+#                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
 #                           transformers, first token 16-4096 at batch 1 / 8, graph == eager, robustness
 #
@@ -118,22 +118,21 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
         step 200 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
         ;;
-    nf4_defaults)  # issue 8: the defaults of 2026-12-07 checked, and timed beside what they replaced
-        stage defaults_tests
-        step 150 nf4_kernels_tiles python3 benchmarks/nf4_kernels.py --only moe \
-            --configs "w5 8/16 bk256 w4,w5 8/16 bk256 w8,w5 16/32 bk256 w4,w5 16/32 bk256 w8,\
-w5 8/16 bk256 w4 s3,w5 8/16 bk256 w4 s4,w5 8/16 bk512 w8 s3,w5 4/8 bk256 w2 s3,w5 8/4 bk256 w2 combine,\
-w5 8/8 bk256 w4 combine"
-        step 150 ab_attn_chunks bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            attn_short_chunks --batch-sizes 1,8 --runs 2"
+    early_weights)  # issue 8: the NF4 words loops loading their first weight step before the PDL wait
+                    # (nf4_moe / nf4_gemv WEIGHTS_BEFORE_WAIT, off until timed): its tests with it on, then the A/B
+        step 120 gpu_tests_early python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
+ab_decode._early_weights(True)  # the NF4 graph == eager tests and the PDL checks with it on
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/kernels/test_pdl.py']))"
+        step 170 ab_early_weights bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            early_weights --batch-sizes 1,8 --runs 2"
         ;;
-    nf4_final)  # issue 8 with little device time: what nf4_defaults checks, its A/B and tile sweep left out
+    nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests nf4_defaults nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests early_weights nf4_final)" >&2
         exit 2
         ;;
     esac
