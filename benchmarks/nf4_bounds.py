@@ -50,9 +50,9 @@ def _loads_only_kernel(expert_ptr, w_ptr, out_ptr, row_words, stride_we_words, s
 
 
 def _recorded_launches(x, route, gate_up, down, code, cfg):
-    """The (gate_up, down) launches of one fused_moe_experts_nf4 call, as argument tuples of nf4_moe._launch."""
+    """The (gate_up, down) launches of one fused_moe_experts_nf4 call, as (args, kwargs) of nf4_moe._launch."""
     launches, launch = [], nf4_moe._launch
-    nf4_moe._launch = lambda *args: launches.append(args)
+    nf4_moe._launch = lambda *args, **kwargs: launches.append((args, kwargs))
     try:
         fused_moe_experts_nf4(x, *route, gate_up, down, code, lambda out, *a: out, cfg)
     finally:
@@ -87,9 +87,9 @@ def main():
                          for r in routes])
         launches = [_recorded_launches(x, r, gate_up, down, code, cfg) for r in routes]
         for index, kernel in enumerate(("gate_up", "down")):
-            for args in launches:
-                nf4_moe._launch(*args[index])  # compile and warm
-            add(kernel, how, [lambda a=a: nf4_moe._launch(*a[index]) for a in launches])
+            for calls in launches:
+                nf4_moe._launch(*calls[index][0], **calls[index][1])  # compile and warm
+            add(kernel, how, [lambda a=a[index]: nf4_moe._launch(*a[0], **a[1]) for a in launches])
     out = torch.empty(k * max(2 * i, h), dtype=torch.int32, device=DEVICE)
     for kernel, w, second_rows, rows_n, cols, tile in (("gate_up", gate_up, i, i, h, block_n[0]),
                                                         ("down", down, 0, h, i, block_n[1])):
