@@ -267,3 +267,35 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
         assert on != off, name
         setter(default)
         assert watched[name]() == (None if default is None else on if default else off), name
+
+
+def test_nf4_bounds_replays_the_launches_fused_moe_experts_nf4_makes(monkeypatch):
+    """benchmarks/nf4_bounds.py times the gate_up and down launches alone by recording nf4_moe._launch's calls and
+    replaying them: a recorded call must replay to the kernels' own output (here through Triton's interpreter)."""
+    import importlib.util
+    import pathlib
+
+    from moegraph.kernels import nf4_moe, triton_available
+    from moegraph.kernels.moe_combine import moe_combine
+
+    if not triton_available(torch.empty(0)):
+        pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # nf4_bounds imports nf4_kernels from its folder
+    spec = importlib.util.spec_from_file_location("nf4_bounds", benchmarks / "nf4_bounds.py")
+    nf4_bounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nf4_bounds)
+    gen = torch.Generator().manual_seed(3)
+    nf4 = lambda rows, cols: nf4_moe.NF4Tensors(  # noqa: E731
+        torch.randint(0, 256, (4, rows * cols // 2), dtype=torch.uint8, generator=gen),
+        torch.rand(4, rows * cols // 64, generator=gen) * 0.03, (4, rows, cols))
+    gate_up, down, code = nf4(128, 64), nf4(64, 64), nf4_moe.nf4_code("cpu")
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    route = (torch.tensor([[1, 3]]), torch.tensor([[0.75, 0.25]]).bfloat16())
+    launches = nf4_bounds._recorded_launches(x, route, gate_up, down, code, nf4_moe.NF4MoEConfig())
+    assert len(launches) == 2
+    for args, kwargs in launches:
+        nf4_moe._launch(*args, **kwargs)
+    out = launches[1][0][3]  # the down launch's output: _launch(kernel, grid, inputs, out, ...), rows [pairs, H]
+    want = nf4_moe.fused_moe_experts_nf4(x, *route, gate_up, down, code, lambda rows, *a: rows)
+    assert torch.equal(out, want)
