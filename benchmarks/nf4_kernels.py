@@ -103,7 +103,7 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 16/32 bk256 w8": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=8),
     "w5 16/32 bk256 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=4),
     "w5 8/16 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=8),
-    # wider steps: more of each thread's bytes in flight (per SM at 1 token: ~12 KB at 256, ~24 KB at 512)
+    # wider steps, more of each thread's bytes in flight: slower at 1 and 8 tokens (H100, 2026-12-07)
     "w5 8/16 bk512 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8),
     "w5 8/16 bk1024 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=4),
     "w5 8/16 bk1024 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=8),
