@@ -30,6 +30,8 @@ Switches (each a module-level choice that a new patch's captures read):
   rather than 4 (nf4_moe.ONE_TOKEN_NUM_WARPS); NF4 rows only;
 - early_weights: under PDL the NF4 words loops load their first weight step before waiting for the kernel before
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
+- route_fused: the router's GEMV and its softmax top-k in one launch, the last of its programs picking the experts
+  (router_topk.FUSED_MAX_ROWS 8; off: 0, two launches);
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -109,6 +111,10 @@ def _early_weights(on: bool) -> None:
     nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
 
 
+def _route_fused(on: bool) -> None:
+    router_topk.FUSED_MAX_ROWS = gemv.MAX_ROWS if on else 0
+
+
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -122,7 +128,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "early_weights": (_early_weights, False, True)}
+            "early_weights": (_early_weights, False, True), "route_fused": (_route_fused, False, False)}
 
 
 def _set_all(names, on: bool) -> None:

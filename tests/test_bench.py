@@ -241,7 +241,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "fuse_router_norm": lambda: ops.FUSE_ROUTER_NORM,
                "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
                "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS,
-               "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT)}
+               "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT),
+               "route_fused": lambda: router_topk.FUSED_MAX_ROWS}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -250,7 +251,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("fuse_router_norm", (ops, "FUSE_ROUTER_NORM")),
                               ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
                               ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS")),
-                              ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT"))):
+                              ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT")),
+                              ("route_fused", (router_topk, "FUSED_MAX_ROWS"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
