@@ -19,8 +19,9 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   early_weights ~5 min  issue 8: the NF4 words loops loading their first weights before the PDL wait (untimed,
 #                           off): graph == eager and the PDL checks with it on, the decode-step A/B at batch 1 / 8
-#   fusions       ~9 min  issue 8: early_weights' checks and A/B, and the router's GEMV + top-k in one launch
-#                           (router_topk.FUSED_MAX_ROWS, untimed, off): graph == eager with both on, the A/B of each
+#   fusions       ~10 min issue 8: early_weights, the router's GEMV + top-k in one launch (router_topk.FUSED_MAX_ROWS),
+#                           the combine inside the next norm (moe_combine.IN_NEXT_NORM), all untimed and off: graph ==
+#                           eager with all on, the A/B of each
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
@@ -128,14 +129,15 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cud
         step 170 ab_early_weights bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             early_weights --batch-sizes 1,8 --runs 2"
         ;;
-    fusions)  # issue 8: the NF4 words loops' early weights and the router's GEMV + top-k in one launch (both off
-              # until timed): graph == eager and the PDL / kernel checks with both on, then the decode-step A/B
+    fusions)  # issue 8: the NF4 words loops' early weights, the router's GEMV + top-k in one launch, the experts'
+              # combine inside the next norm (all off until timed): graph == eager and the PDL / kernel checks with
+              # all three on, then the decode-step A/B of each
         step 150 gpu_tests_fusions python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
-ab_decode._early_weights(True); ab_decode._route_fused(True)  # the graph == eager tests with both on
+ab_decode._early_weights(True); ab_decode._route_fused(True); ab_decode._combine_in_norm(True)  # all three on
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/test_generate_cuda.py',
                       'tests/kernels/test_pdl.py', 'tests/kernels/test_kernels.py']))"
-        step 400 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            early_weights,route_fused --batch-sizes 1,8 --runs 2"
+        step 430 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            early_weights,route_fused,combine_in_norm --batch-sizes 1,8 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
