@@ -130,14 +130,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cud
             early_weights --batch-sizes 1,8 --runs 2"
         ;;
     fusions)  # issue 8: the NF4 words loops' early weights, the router's GEMV + top-k in one launch, the experts'
-              # combine inside the next norm (all off until timed): graph == eager and the PDL / kernel checks with
-              # all three on, then the decode-step A/B of each
+              # combine inside the next norm (all off until timed): the decode-step A/B of each, then graph == eager
+              # and the PDL / kernel checks with all three on
+        step 430 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            early_weights,route_fused,combine_in_norm --batch-sizes 1,8 --runs 2"
         step 150 gpu_tests_fusions python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
 ab_decode._early_weights(True); ab_decode._route_fused(True); ab_decode._combine_in_norm(True)  # all three on
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/test_generate_cuda.py',
                       'tests/kernels/test_pdl.py', 'tests/kernels/test_kernels.py']))"
-        step 430 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            early_weights,route_fused,combine_in_norm --batch-sizes 1,8 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
