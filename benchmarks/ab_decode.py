@@ -28,7 +28,7 @@ Switches (each a module-level choice that a new patch's captures read):
   (decode_attention.MIN_CHUNK): a 128-key row runs in 2 programs per KV head, not 1;
 - nf4_one_token_w8 (on by default since 2026-12-07): the one-token NF4 expert kernels in 8 warps a program (on)
   rather than 4 (nf4_moe.ONE_TOKEN_NUM_WARPS); NF4 rows only;
-- early_weights: under PDL the NF4 words loops load their first weight step before waiting for the kernel before
+- early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step before waiting for the kernel before
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
 - route_fused: the router's GEMV and its softmax top-k in one launch, the last of its programs picking the experts
   (router_topk.FUSED_MAX_ROWS 8; off: 0, two launches);
@@ -136,7 +136,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "early_weights": (_early_weights, False, True), "route_fused": (_route_fused, False, False),
+            "early_weights": (_early_weights, True, True), "route_fused": (_route_fused, False, False),
             "combine_in_norm": (_combine_in_norm, False, True)}
 
 

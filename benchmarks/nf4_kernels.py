@@ -64,6 +64,10 @@ LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are tim
     "w5 bn8 bk512 w4": L(use_dot=False, block_n=8, block_k=512, num_warps=4),
     "w5 bn16 bk512 w2": L(use_dot=False, block_n=16, block_k=512, num_warps=2),
     "w5 bn32 bk1024 w8": L(use_dot=False, block_n=32, block_k=1024, num_warps=8),
+    "w5 bn4 bk1024 w2": L(use_dot=False, block_n=4, block_k=1024, num_warps=2),
+    "w5 bn8 bk2048 w2": L(use_dot=False, block_n=8, block_k=2048, num_warps=2),
+    "w5 bn8 bk2048 w8": L(use_dot=False, block_n=8, block_k=2048, num_warps=8),
+    "w5 bn16 bk1024 w8": L(use_dot=False, block_n=16, block_k=1024, num_warps=8),
 }
 C = NF4MoEConfig
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps

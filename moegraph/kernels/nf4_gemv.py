@@ -51,9 +51,9 @@ TARGET_PROGRAMS = 4 * 132  # split K until ~4 programs per SM; split 1 is slower
 LOOKUP = 5
 X_PAIRS = False  # not yet timed: see nf4_moe.py's X_PAIRS
 # Under PDL, the words loop loads its first weight step before waiting for the kernel before it (the weights are
-# static), so that latency overlaps the previous kernel's tail (_nf4_matmul's WAIT). Untimed: ab_decode.py
-# early_weights
-WEIGHTS_BEFORE_WAIT = False
+# static), so that latency overlaps the previous kernel's tail (_nf4_matmul's WAIT). Timed with nf4_moe's
+# WEIGHTS_BEFORE_WAIT (its comment)
+WEIGHTS_BEFORE_WAIT = True
 # 1 row with the norm in front (nf4_add_rms_norm_linear_group) and LOOKUP 5: each program normalizes the row into
 # its own 2K-byte scratch slice and runs the words lookup on it (else the per-nibble lookup 4, which normalizes x
 # slices in registers). Untimed: with it off, Linear4bit models keep the norm apart (ops.FUSE_NORMS)

@@ -68,8 +68,9 @@ FEW_TOKENS_X_PAIRS = True  # where LOOKUP 5 falls back to 4 (batch 8: 123.2 us w
 # programs, each decoding 8 experts' rows in turn, are too few to keep the loads in flight
 PAIR_COMBINE = False
 # Under PDL with the late trigger, the multiply-add down kernel reads its routing and first weight step before it
-# waits for gate_up (_down_nf4_kernel). Untimed: ab_decode.py early_weights
-WEIGHTS_BEFORE_WAIT = False
+# waits for gate_up (_down_nf4_kernel). With nf4_gemv's: decode step 2.221 -> 2.170 ms at batch 1, 7.003 -> 6.983 at
+# batch 8, same tokens (H100, 48 layers, ab_decode.py early_weights, 2026-12-07)
+WEIGHTS_BEFORE_WAIT = True
 
 
 @dataclass(frozen=True)
