@@ -28,6 +28,8 @@ Switches (each a module-level choice that a new patch's captures read):
   (decode_attention.MIN_CHUNK): a 128-key row runs in 2 programs per KV head, not 1;
 - nf4_one_token_w8 (on by default since 2026-12-07): the one-token NF4 expert kernels in 8 warps a program (on)
   rather than 4 (nf4_moe.ONE_TOKEN_NUM_WARPS); NF4 rows only;
+- nf4_wide_steps (on by default since 2026-12-07): one-row NF4 GEMVs of 4096 or more outputs (q; q/k/v in one
+  launch) in 16-row tiles of 2048 columns a step (on) rather than 1024 (nf4_gemv.WIDE_TILE); NF4 rows only;
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step before waiting for the kernel before
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
 - route_fused: the router's GEMV and its softmax top-k in one launch, the last of its programs picking the experts
@@ -111,6 +113,10 @@ def _nf4_one_token_w8(on: bool) -> None:
     nf4_moe.ONE_TOKEN_NUM_WARPS = 8 if on else 4
 
 
+def _nf4_wide_steps(on: bool) -> None:
+    nf4_gemv.WIDE_TILE = (16, 2048) if on else (16, 1024)
+
+
 def _early_weights(on: bool) -> None:
     nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
 
@@ -136,7 +142,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "early_weights": (_early_weights, True, True), "route_fused": (_route_fused, False, False),
+            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True), "route_fused": (_route_fused, False, False),
             "combine_in_norm": (_combine_in_norm, False, True)}
 
 

@@ -40,7 +40,10 @@ BLOCK_K = 256  # columns per step, tensor cores: 128 bytes of a row, 16-byte loa
 #   2048 -> 4096 (q): 16 rows x 1024 columns 6.26 us (8 x 2048: 7.17; before, 16 x 256 with split-K: 7.92)
 #   4096 -> 2048 (o): 8 x 2048 6.71 us (16 x 1024 split-K: 8.39; 16 x 256 split-K: 9.86)
 #   2048 -> 512 (k, v): 8 x 2048 3.39 us (16 x 256 split-K: 5.22)
-WIDE_ROWS = 4096  # from this many output rows 16 x 1024 tiles, below it 8 x 2048
+# On the words lookup (H100, benchmarks/results/nf4_linear_tiles_h100_2026-12-07.txt), 2048 -> 4096: 16 x 2048
+# 4.90 us against 16 x 1024 5.15 and 8 x 2048 5.17; 4096 -> 2048: 8 x 2048 5.71 (16 x 2048 6.27: half the programs)
+WIDE_ROWS = 4096  # from this many output rows WIDE_TILE, below it 8 x 2048
+WIDE_TILE = (16, 2048)  # (rows, columns a step); ab_decode.py nf4_wide_steps: (16, 1024) before 2026-12-07
 DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one row a program) takes 35 us, dot 12
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (11.2 against 14.1 us at 32 rows)
@@ -249,7 +252,7 @@ def _tile(cfg: NF4LinearConfig, use_dot: bool, rows: int, op: str) -> tuple[int,
     if use_dot:
         block_n, block_k = cfg.block_n or DOT_BLOCK_N, cfg.block_k or BLOCK_K
     else:
-        wide = (16, 1024) if rows >= WIDE_ROWS else (8, 2048)
+        wide = WIDE_TILE if rows >= WIDE_ROWS else (8, 2048)
         block_n, block_k = cfg.block_n or wide[0], cfg.block_k or wide[1]
     if block_k % 64 or block_n < (16 if use_dot else 2):
         raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
