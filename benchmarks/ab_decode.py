@@ -34,9 +34,6 @@ Switches (each a module-level choice that a new patch's captures read):
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
 - route_fused: the router's GEMV and its softmax top-k in one launch, the last of its programs picking the experts
   (router_topk.FUSED_MAX_ROWS 8; off: 0, two launches);
-- combine_in_norm: the fused experts' weighted combine inside the next layer's add + RMSNorm where that norm has
-  its own launch (moe_combine.IN_NEXT_NORM; by default the norms before attention run apart only with 4-bit
-  projections: bf16 rows change only where fuse_norms is off);
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -50,8 +47,7 @@ import torch
 
 from _decode import ab_table, decode, decode_arguments, same_tokens
 from moegraph import ops
-from moegraph.kernels import (_triton, decode_attention, fused_moe, gemv, moe_combine, nf4_gemv, nf4_moe, qk_norm_rope,
-                              router_topk)
+from moegraph.kernels import _triton, decode_attention, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 from moegraph.quant.experts import quantize_experts
 from moegraph.quant.projections import quantize_projections
 from moegraph.testing import build_model
@@ -125,10 +121,6 @@ def _route_fused(on: bool) -> None:
     router_topk.FUSED_MAX_ROWS = gemv.MAX_ROWS if on else 0
 
 
-def _combine_in_norm(on: bool) -> None:
-    moe_combine.IN_NEXT_NORM = on
-
-
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -142,8 +134,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True), "route_fused": (_route_fused, False, False),
-            "combine_in_norm": (_combine_in_norm, False, True)}
+            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -52,32 +52,6 @@ class WeightFormats:
 
 
 @dataclass(frozen=True)
-class PendingCombine:
-    """An experts call's per-pair output rows (moe_combine's inputs), left for the next add + RMSNorm to combine in
-    its own launch (kernels/moe_combine.py's moe_combine_add_rms_norm: the same bits as the two launches)."""
-
-    rows: torch.Tensor  # [>= T * K, H]
-    position: torch.Tensor | None  # [T * K], None: rows in pair order
-    weights: torch.Tensor  # [T, K]
-    dtype: torch.dtype  # what moe_combine would round the sum to
-
-
-def pending_combine(rows: torch.Tensor, position: torch.Tensor | None, weights: torch.Tensor,
-                     dtype: torch.dtype) -> PendingCombine:
-    """The experts functions' `combine` argument where the next norm combines (moe_combine's signature)."""
-    return PendingCombine(rows, position, weights, dtype)
-
-
-def _add_rms_norm_or_combine(residual: torch.Tensor, x, weight: torch.Tensor, eps: float):
-    """rms_norm.add_rms_norm, or with a PendingCombine x the combine inside it (one launch)."""
-    if isinstance(x, PendingCombine):
-        if x.dtype != residual.dtype:
-            raise InvalidArgumentError(f"add_rms_norm: experts combined to {x.dtype} into a {residual.dtype} residual")
-        return moe_combine.moe_combine_add_rms_norm(x.rows, x.position, x.weights, residual, weight, eps)
-    return rms_norm.add_rms_norm(residual, x, weight, eps)
-
-
-@dataclass(frozen=True)
 class OpTable:
     device: torch.device
     dtype: torch.dtype  # compute dtype of the experts
@@ -106,10 +80,6 @@ class OpTable:
     # router_logits(hidden, weight) where the norm ran inside the router's GEMV, else None: `route` then runs it)
     add_norm_router: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
-    # the decode step's experts may leave their weighted combine to the next layer's add + RMSNorm (its own launch
-    # here): `experts(..., combine=)` then returns a PendingCombine that `add_rms_norm` and an unfused
-    # `add_norm_qkv` take (moe_combine.IN_NEXT_NORM switches it, per call)
-    combine_in_norm: bool = False
 
     @property
     def pdl_early_trigger(self) -> bool:
@@ -126,7 +96,7 @@ class OpTable:
         return "\n".join([head] + [f"  {op:<13} {choice:<11} {why}" for op, choice, why in self.reasons])
 
 
-_FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=_add_rms_norm_or_combine, qk_norm_rope=qk_norm_rope.qk_norm_rope,
+_FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm, qk_norm_rope=qk_norm_rope.qk_norm_rope,
               decode_attention=decode_attention.decode_attention,
               router_topk=router_topk.router_topk, moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
               moe_combine=moe_combine.moe_combine, advance=advance.advance)
@@ -414,9 +384,6 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         add_norm_qkv = functools.partial(fused_qkv, add_norm_qkv)
     if fuse_router:
         add_norm_router = functools.partial(_gemv_add_norm_router, add_norm_router)
-    # the experts' combine inside the norm after them: where that norm has its own launch and the experts are
-    # moegraph's fused kernels (bf16 or NF4), which take a `combine`
-    combine_in_norm = kernel_name == "triton" and not fuse_qkv and backend.name == "triton"
     fused_norms = (("; the norm before attention inside the q/k/v GEMV" if fuse_qkv else "")
                    + (f"; the norm before a linear router inside its GEMV (up to {gemv.NORM_MAX_ROWS} rows)"
                       if fuse_router else ""))
@@ -437,7 +404,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
                    capture_safe=backend.capture_safe and device.type == "cuda",
                    experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv,
                    add_norm_qkv=add_norm_qkv, add_norm_router=add_norm_router, reasons=reasons,
-                   router_logits=router_logits, route=route, combine_in_norm=combine_in_norm,
+                   router_logits=router_logits, route=route,
                    **small_ops)
 
 

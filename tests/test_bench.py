@@ -221,8 +221,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
     import sys
 
     from moegraph import ops
-    from moegraph.kernels import (_triton, decode_attention, fused_moe, gemv, moe_combine, nf4_gemv, nf4_moe, qk_norm_rope,
-                                  router_topk)
+    from moegraph.kernels import _triton, decode_attention, fused_moe, gemv, nf4_gemv, nf4_moe, qk_norm_rope, router_topk
 
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # ab_decode imports _decode from its folder
@@ -243,8 +242,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
                "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS,
                "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT),
-               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE,
-               "route_fused": lambda: router_topk.FUSED_MAX_ROWS, "combine_in_norm": lambda: moe_combine.IN_NEXT_NORM}
+               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -254,9 +252,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
                               ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS")),
                               ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT")),
-                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE")),
-                              ("route_fused", (router_topk, "FUSED_MAX_ROWS")),
-                              ("combine_in_norm", (moe_combine, "IN_NEXT_NORM"))):
+                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)

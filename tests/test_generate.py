@@ -206,21 +206,18 @@ def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     """With the Triton kernels (the interpreter here) at decode batch sizes, the norm before attention runs inside
     the q/k/v GEMV and the one before the MoE block inside the router's, one launch each per layer and step;
     fuse_norms=False keeps them apart, and there the router's GEMV and its top-k take one launch
-    (router_topk.FUSED_MAX_ROWS) and the fused MoE kernels' combine runs inside the next norm
-    (moe_combine.IN_NEXT_NORM; both off by default until timed, on here). transformers' tokens either way."""
+    (router_topk.FUSED_MAX_ROWS, off by default until timed, on here). transformers' tokens either way."""
     from moegraph import ops
     from moegraph.cuda_graph import decoder
-    from moegraph.kernels import gemv, moe_combine, router_topk
+    from moegraph.kernels import gemv, router_topk
 
     model = build_model("tiny", seed=4, num_layers=2)
     monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
-        m, "triton", kernels="triton", fuse_norms=fuse_norms))
+        m, backend, kernels="triton", fuse_norms=fuse_norms))
     monkeypatch.setattr(router_topk, "FUSED_MAX_ROWS", 8)
-    monkeypatch.setattr(moe_combine, "IN_NEXT_NORM", True)
-    calls = {"qkv": 0, "router": 0, "route": 0, "combine_norm": 0}
+    calls = {"qkv": 0, "router": 0, "route": 0}
     for module, name, key in ((gemv, "add_rms_norm_gemv_group", "qkv"), (gemv, "add_rms_norm_gemv", "router"),
-                              (router_topk, "router_gemv_topk", "route"),
-                              (moe_combine, "moe_combine_add_rms_norm", "combine_norm")):
+                              (router_topk, "router_gemv_topk", "route")):
         def counted(*args, _fn=getattr(module, name), _key=key, **kwargs):
             calls[_key] += 1
             return _fn(*args, **kwargs)
@@ -230,8 +227,7 @@ def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     assert stats.fallback_reason is None and torch.equal(got, want)
     launches = 2 * (stats.steps - 1)  # layers x decode steps (the first token: prefill's)
     fused = launches if fuse_norms else 0
-    # apart, each layer's combine goes into the norm after it: the next layer's, the last one's the final norm
-    assert calls == {"qkv": fused, "router": fused, "route": launches - fused, "combine_norm": launches - fused}
+    assert calls == {"qkv": fused, "router": fused, "route": launches - fused}
 
 
 def test_router_gemv_and_top_k_apart_above_the_fused_rows(monkeypatch):

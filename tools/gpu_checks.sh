@@ -19,9 +19,8 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   early_weights ~5 min  issue 8: the NF4 words loops loading their first weights before the PDL wait (untimed,
 #                           off): graph == eager and the PDL checks with it on, the decode-step A/B at batch 1 / 8
-#   fusions       ~10 min issue 8: early_weights, the router's GEMV + top-k in one launch (router_topk.FUSED_MAX_ROWS),
-#                           the combine inside the next norm (moe_combine.IN_NEXT_NORM), all untimed and off: graph ==
-#                           eager with all on, the A/B of each
+#   fusions       ~9 min  issue 8: early_weights' checks and A/B, and the router's GEMV + top-k in one launch
+#                           (router_topk.FUSED_MAX_ROWS, untimed, off): graph == eager with both on, the A/B of each
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
@@ -135,7 +134,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cud
         step 430 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             early_weights,route_fused,combine_in_norm --batch-sizes 1,8 --runs 2"
         step 150 gpu_tests_fusions python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
-ab_decode._early_weights(True); ab_decode._route_fused(True); ab_decode._combine_in_norm(True)  # all three on
+ab_decode._early_weights(True); ab_decode._route_fused(True)  # the graph == eager tests with both on
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/test_generate_cuda.py',
                       'tests/kernels/test_pdl.py', 'tests/kernels/test_kernels.py']))"
         ;;

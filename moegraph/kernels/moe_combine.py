@@ -6,9 +6,7 @@ out[t] = sum_k weights[t, k] * expert_out[position[t*K + k]], accumulated in flo
 order (deterministic: no atomics), rounded once to the output dtype. `position[p]` is where
 pair p landed after the sort by expert. Replaces the inverse permutation, casts, multiply and
 sum of the eager combine (~6 kernels).
-moe_combine_add_rms_norm(expert_out, position, weights, residual, norm_weight, eps) -> (residual + combined,
-RMSNorm of it): the combine inside the next layer's add + RMSNorm (kernels/rms_norm.py), one program a token.
-Capture-safe: grid (T, H / BLOCK) / (T,).
+Capture-safe: grid (T, H / BLOCK).
 """
 
 from __future__ import annotations
@@ -16,13 +14,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import pdl, pdl_wait, tl, triton
-from .rms_norm import add_rms_norm_row
 
 BLOCK_H = 256  # a 2048-wide hidden row in 8 programs: enough programs for small T on 132 SMs
-# The decode step's combine inside the next layer's add + RMSNorm (moe_combine_add_rms_norm: one launch instead of
-# two, the same bits) where that norm runs in its own launch (ops.OpTable.combine_in_norm). Untimed:
-# benchmarks/ab_decode.py combine_in_norm.
-IN_NEXT_NORM = False
 
 
 @triton.jit
@@ -32,15 +25,7 @@ def _moe_combine_kernel(expert_out_ptr, position_ptr, weights_ptr, out_ptr, hidd
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
-    acc = _weighted_rows(expert_out_ptr, position_ptr, weights_ptr, token, cols, mask, hidden, TOP_K, IN_PAIR_ORDER)
-    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _weighted_rows(expert_out_ptr, position_ptr, weights_ptr, token, cols, mask, hidden, TOP_K: tl.constexpr,
-                   IN_PAIR_ORDER: tl.constexpr):
-    """float32 sum over the token's slots, in slot order, of weight * expert row at columns cols."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         if IN_PAIR_ORDER:
             pos = token * TOP_K + slot
@@ -49,29 +34,7 @@ def _weighted_rows(expert_out_ptr, position_ptr, weights_ptr, token, cols, mask,
         w = tl.load(weights_ptr + token * TOP_K + slot).to(tl.float32)
         y = tl.load(expert_out_ptr + pos * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         acc += w * y
-    return acc
-
-
-@triton.jit
-def _combine_add_rms_norm_kernel(expert_out_ptr, position_ptr, weights_ptr, res_ptr, nw_ptr, sum_ptr, out_ptr, hidden,
-                                 eps, TOP_K: tl.constexpr, IN_PAIR_ORDER: tl.constexpr, BLOCK: tl.constexpr,
-                                 USE_PDL: tl.constexpr = False):
-    """moe_combine's row (rounded to the residual stream's dtype), then rms_norm's add_rms_norm_row: one program a
-    token, the bits of the two kernels one after the other."""
-    pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
-    token = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    acc = _weighted_rows(expert_out_ptr, position_ptr, weights_ptr, token, cols, mask, hidden, TOP_K, IN_PAIR_ORDER)
-    add_rms_norm_row(acc.to(sum_ptr.dtype.element_ty), res_ptr, nw_ptr, out_ptr, sum_ptr, token, cols, mask, hidden,
-                     eps, True)
-
-
-def _check_pairs(expert_out: torch.Tensor, position: torch.Tensor | None, tokens: int, top_k: int) -> None:
-    positions = tokens * top_k if position is None else position.numel()
-    if expert_out.shape[0] < tokens * top_k or positions != tokens * top_k:
-        raise ValueError(f"moe_combine: expected {tokens * top_k} pairs, got {expert_out.shape[0]} rows / "
-                         f"{positions} positions")
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_combine(expert_out: torch.Tensor, position: torch.Tensor | None, weights: torch.Tensor,
@@ -79,40 +42,16 @@ def moe_combine(expert_out: torch.Tensor, position: torch.Tensor | None, weights
     """position None: expert_out is in pair order (row t*K + k holds pair (t, k)), no sort happened."""
     tokens, top_k = weights.shape
     hidden = expert_out.shape[1]
-    _check_pairs(expert_out, position, tokens, top_k)
+    positions = tokens * top_k if position is None else position.numel()
+    if expert_out.shape[0] < tokens * top_k or positions != tokens * top_k:
+        raise ValueError(f"moe_combine: expected {tokens * top_k} pairs, got {expert_out.shape[0]} rows / "
+                         f"{positions} positions")
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=expert_out.device)
     grid = (tokens, triton.cdiv(hidden, BLOCK_H))
     position_arg = weights if position is None else position.contiguous()  # never read in pair order
     _moe_combine_kernel[grid](expert_out.contiguous(), position_arg, weights.contiguous(), out, hidden,
                               TOP_K=top_k, IN_PAIR_ORDER=position is None, BLOCK=BLOCK_H, **pdl(out.device))
     return out
-
-
-def moe_combine_add_rms_norm(expert_out: torch.Tensor, position: torch.Tensor | None, weights: torch.Tensor,
-                             residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-    """add_rms_norm(residual, moe_combine(expert_out, position, weights, residual.dtype), norm_weight, eps) in one
-    launch: (residual + combined, its RMSNorm), the same bits."""
-    tokens, top_k = weights.shape
-    hidden = expert_out.shape[1]
-    _check_pairs(expert_out, position, tokens, top_k)
-    if residual.shape != (tokens, hidden) or norm_weight.shape != (hidden,):
-        raise ValueError(f"moe_combine_add_rms_norm: residual {tuple(residual.shape)} and norm weight "
-                         f"{tuple(norm_weight.shape)} do not fit {tokens} tokens of {hidden}")
-    residual = residual.contiguous()
-    summed = torch.empty_like(residual)
-    out = torch.empty(residual.shape, dtype=torch.promote_types(norm_weight.dtype, residual.dtype),
-                      device=residual.device)
-    _combine_add_rms_norm_kernel[(tokens,)](
-        expert_out.contiguous(), weights if position is None else position.contiguous(), weights.contiguous(), residual,
-        norm_weight, summed, out, hidden, eps, TOP_K=top_k, IN_PAIR_ORDER=position is None,
-        BLOCK=triton.next_power_of_2(hidden), **pdl(residual.device))
-    return summed, out
-
-
-def moe_combine_add_rms_norm_ref(expert_out, position, weights, residual, norm_weight, eps):
-    from .rms_norm import add_rms_norm_ref
-
-    return add_rms_norm_ref(residual, moe_combine_ref(expert_out, position, weights, residual.dtype), norm_weight, eps)
 
 
 def moe_combine_ref(expert_out, position, weights, out_dtype):

@@ -20,13 +20,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, sum_ptr, row, cols, mask, n_cols, eps, HAS_RESIDUAL)
-
-
-@triton.jit
-def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, sum_ptr, row, cols, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
-    """Row `row` of rms_norm / add_rms_norm from its x [BLOCK] (columns `cols`): stores the sum (HAS_RESIDUAL) and
-    the normalized row (what moe_combine's combine + norm kernel ends with too: the same bits)."""
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # the residual stream keeps its dtype

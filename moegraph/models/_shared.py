@@ -11,9 +11,6 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from ..kernels import moe_combine
-from ..ops import pending_combine
-
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
@@ -25,8 +22,7 @@ Mlp = Callable[..., torch.Tensor]
 # MLP module -> the weight [E, H] of its router's logits (hidden @ weight.T, no bias) or None (a dense MLP, or
 # a router computed otherwise): where given, the norm before the MLP runs inside the router's GEMV
 RouterWeight = Callable[[nn.Module], "torch.Tensor | None"]
-# (norm module, residual [b, H], x [b, H] (or an ops.PendingCombine: add_rms_norm) or None, ops) ->
-# (residual + x, norm(residual + x)); x None: no add
+# (norm module, residual [b, H], x [b, H] or None, ops) -> (residual + x, norm(residual + x)); x None: no add
 AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -53,14 +49,11 @@ def moe_gate_weight(mlp: nn.Module) -> torch.Tensor | None:
 
 
 def softmax_topk_experts(block: nn.Module, hidden: torch.Tensor, ops, router_logits: torch.Tensor | None = None,
-                         normalize: bool | None = None, weights_dtype: torch.dtype | None = None,
-                         to_next_norm: bool = False) -> torch.Tensor:
+                         normalize: bool | None = None, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The routed experts of a block whose `gate` is a linear softmax top-k router (Qwen3, Qwen2, Qwen3-VL, Mixtral,
     OLMoE) for [b, H] decode rows: logits (unless the norm's fused GEMV gave them: ops.add_norm_router), softmax in
     float32, top-k, renormalised when `normalize` (None: the gate's norm_topk_prob), weights in weights_dtype (None:
-    the logits'). Skips the router module call: no router logits are recorded.
-    to_next_norm: the result goes straight into the next add + RMSNorm (prenorm_decode_forward's residual stream):
-    where the table allows it, it is then an ops.PendingCombine that norm combines in its own launch."""
+    the logits'). Skips the router module call: no router logits are recorded."""
     gate = block.gate
     normalize = gate.norm_topk_prob if normalize is None else normalize
     if router_logits is None:  # the GEMV and the top-k (one launch at decode batch sizes where ops.route fuses them)
@@ -68,8 +61,6 @@ def softmax_topk_experts(block: nn.Module, hidden: torch.Tensor, ops, router_log
     else:
         top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, normalize,
                                                      weights_dtype=weights_dtype)
-    if to_next_norm and ops.combine_in_norm and moe_combine.IN_NEXT_NORM:
-        return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops, combine=pending_combine)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
 
 

@@ -54,5 +54,4 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """MixtralSparseMoeBlock for [b, H] decode rows (eval: no jitter noise): always renormalised, weights float32."""
-    return softmax_topk_experts(block, hidden, ops, router_logits, normalize=True, weights_dtype=torch.float32,
-                                to_next_norm=True)
+    return softmax_topk_experts(block, hidden, ops, router_logits, normalize=True, weights_dtype=torch.float32)

@@ -65,4 +65,4 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """OlmoeSparseMoeBlock for [b, H] decode rows (renormalised only with norm_topk_prob)."""
-    return softmax_topk_experts(block, hidden, ops, router_logits, to_next_norm=True)
+    return softmax_topk_experts(block, hidden, ops, router_logits)

@@ -52,4 +52,4 @@ def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
 def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse block for [b, H] decode rows: softmax top-k, renormalised with norm_topk_prob."""
-    return softmax_topk_experts(block, hidden, ops, router_logits, to_next_norm=True)
+    return softmax_topk_experts(block, hidden, ops, router_logits)

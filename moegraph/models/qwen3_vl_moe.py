@@ -91,5 +91,4 @@ def decode_moe(block: nn.Module, hidden: torch.Tensor, ops,
                router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3VLMoeTextSparseMoeBlock for [b, H] decode rows. Skips the router module call: no router logits are
     recorded."""
-    # weights in the logits' dtype
-    return softmax_topk_experts(block, hidden, ops, router_logits, normalize=True, to_next_norm=True)
+    return softmax_topk_experts(block, hidden, ops, router_logits, normalize=True)  # weights in the logits' dtype

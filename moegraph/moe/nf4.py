@@ -73,15 +73,13 @@ def moe_experts_nf4_grouped_mm(hidden, top_k_index, top_k_weights, experts: nn.M
                            experts.act_fn, swiglu, ops)
 
 
-def moe_experts_nf4_triton(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None,
-                           combine=None) -> torch.Tensor:
-    """combine: as in moe_experts_triton (None: moe_combine)."""
+def moe_experts_nf4_triton(hidden, top_k_index, top_k_weights, experts: nn.Module, ops=None) -> torch.Tensor:
     swiglu = getattr(getattr(experts, "config", None), "hidden_act", "silu") == "silu"
     if swiglu and top_k_index.numel() <= MAX_PAIRS and triton_available(hidden):
         from ..kernels.nf4_moe import fused_moe_experts_nf4
 
         return fused_moe_experts_nf4(hidden, top_k_index, top_k_weights, _kernel_view(experts.gate_up),
-                                     _kernel_view(experts.down), _code(hidden.device), combine or moe_combine)
+                                     _kernel_view(experts.down), _code(hidden.device), moe_combine)
     if grouped_mm_available():
         return moe_experts_nf4_grouped_mm(hidden, top_k_index, top_k_weights, experts, ops)
     return moe_experts_nf4_ref(hidden, top_k_index, top_k_weights, experts)

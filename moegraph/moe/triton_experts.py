@@ -16,13 +16,11 @@ from .reference import moe_experts_ref
 
 
 def moe_experts_triton(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       experts: nn.Module, ops=None, combine=None) -> torch.Tensor:
-    """combine: how the fused kernels' per-pair rows become [T, H] (moe_combine's signature; None: moe_combine).
-    The decode step's may return an ops.PendingCombine for the next norm; the grouped_mm path combines itself."""
+                       experts: nn.Module, ops=None) -> torch.Tensor:
     swiglu = getattr(getattr(experts, "config", None), "hidden_act", "silu") == "silu" and not own_layout(experts)
     if swiglu and top_k_index.numel() <= MAX_PAIRS and triton_available(hidden):
         return fused_moe_experts(hidden, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
-                                 combine or moe_combine)
+                                 moe_combine)
     if grouped_mm_available():
         return moe_experts_grouped_mm(hidden, top_k_index, top_k_weights, experts, ops)
     return moe_experts_ref(hidden, top_k_index, top_k_weights, experts)

@@ -131,24 +131,6 @@ def test_moe_align_is_a_stable_grouping(tokens, top_k, experts):
     assert int(offsets[-1]) == flat.numel()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k, hidden, in_pair_order", [(1, 8, 2048, True), (3, 2, 300, False)])
-def test_moe_combine_inside_the_next_norm_gives_the_two_kernels_bits(dtype, tokens, top_k, hidden, in_pair_order):
-    expert_out = _randn(tokens * top_k + 3, hidden, dtype=dtype, seed=15)  # padding rows past the pairs
-    position = None if in_pair_order else torch.randperm(tokens * top_k, generator=torch.Generator().manual_seed(16)
-                                                         ).to(DEVICE)
-    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(17)).to(DEVICE, dtype)
-    residual, norm_weight = _randn(tokens, hidden, dtype=dtype, seed=18), _randn(hidden, dtype=dtype, seed=19)
-    got = moe_combine.moe_combine_add_rms_norm(expert_out, position, weights, residual, norm_weight, 1e-6)
-    want = rms_norm.add_rms_norm(residual, moe_combine.moe_combine(expert_out, position, weights, dtype), norm_weight,
-                                 1e-6)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.equal(g, w)
-    close = moe_combine.moe_combine_add_rms_norm_ref(expert_out, position, weights, residual, norm_weight, 1e-6)
-    for g, w in zip(got, close):
-        torch.testing.assert_close(g, w, atol=6e-2, rtol=2e-2)
-
-
 def test_moe_combine_in_pair_order():
     """position None: row t*K + k of expert_out is pair (t, k), the same as the identity permutation."""
     expert_out = _randn(3 * 4, 40, dtype=torch.float32, seed=15)
