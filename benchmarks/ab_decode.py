@@ -32,8 +32,6 @@ Switches (each a module-level choice that a new patch's captures read):
   launch) in 16-row tiles of 2048 columns a step (on) rather than 1024 (nf4_gemv.WIDE_TILE); NF4 rows only;
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step before waiting for the kernel before
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
-- route_fused: the router's GEMV and its softmax top-k in one launch, the last of its programs picking the experts
-  (router_topk.FUSED_MAX_ROWS 8; off: 0, two launches);
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -115,10 +113,6 @@ def _nf4_wide_steps(on: bool) -> None:
 
 def _early_weights(on: bool) -> None:
     nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
-
-
-def _route_fused(on: bool) -> None:
-    router_topk.FUSED_MAX_ROWS = gemv.MAX_ROWS if on else 0
 
 
 def _pdl_late_trigger(on) -> None:

@@ -64,9 +64,6 @@ class OpTable:
     decode_attention: Callable  # (q [b, Hq, D], key/value cache, positions [b], scale, window, sinks) -> [b, Hq, D]
     router_logits: Callable  # (hidden [b, H], weight [E, H]) -> [b, E]: hidden @ weight.T in hidden's dtype
     router_topk: Callable
-    # (hidden [b, H], weight [E, H], top_k, normalize, weights_dtype=None) -> (weights [b, K], index [b, K]):
-    # router_topk(router_logits(hidden, weight), ...), in one launch where router_topk.FUSED_MAX_ROWS allows
-    route: Callable
     moe_align: Callable
     silu_mul: Callable
     moe_combine: Callable
@@ -77,7 +74,7 @@ class OpTable:
     # (RMSNorm module, residual, x or None, attention module) -> (residual + x, qkv(attn, norm(residual + x)))
     add_norm_qkv: Callable
     # (RMSNorm module, residual, x, router weight [E, H]) -> (residual + x, hidden = norm(residual + x),
-    # router_logits(hidden, weight) where the norm ran inside the router's GEMV, else None: `route` then runs it)
+    # router_logits(hidden, weight))
     add_norm_router: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
 
@@ -144,20 +141,6 @@ def _router_logits_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.T
     return nn.functional.linear(hidden, weight)
 
 
-def _route_apart(router_logits: Callable, router_topk_op: Callable, hidden: torch.Tensor, weight: torch.Tensor,
-                 top_k: int, normalize: bool, weights_dtype: torch.dtype | None = None):
-    return router_topk_op(router_logits(hidden, weight), top_k, normalize, weights_dtype=weights_dtype)
-
-
-def _route_gemv_topk(apart: Callable, hidden: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
-                     weights_dtype: torch.dtype | None = None):
-    """The router's GEMV and its top-k in one launch (kernels/router_topk.py) up to router_topk.FUSED_MAX_ROWS rows
-    (read per call: an A/B sets it before a capture); otherwise `apart`."""
-    if hidden.shape[0] <= router_topk.FUSED_MAX_ROWS and _gemv_takes(weight, hidden, gemv.ROUTER_MAX_ROWS):
-        return router_topk.router_gemv_topk(hidden, weight, top_k, normalize, weights_dtype)
-    return apart(hidden, weight, top_k, normalize, weights_dtype)
-
-
 def _dense_gemv_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A plain nn.Linear at decode batch sizes through moegraph's GEMV; anything else as _dense_linear does."""
     weights = _linear_weights([module])
@@ -210,11 +193,11 @@ def _dense_gemv_add_norm_qkv(unfused: Callable, norm: nn.Module, residual: torch
                                         use_dot=form == "dot")
 
 
-def _add_norm_then_router(add_rms_norm_op: Callable, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
-                          weight: torch.Tensor):
-    """The unfused add_norm_router: the table's norm op alone (the MLP's `route` computes the logits)."""
+def _add_norm_then_router(add_rms_norm_op: Callable, router_logits: Callable, norm: nn.Module,
+                          residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """The unfused add_norm_router: the table's norm op, then its router logits."""
     residual, hidden = add_rms_norm_op(residual, x, norm.weight, norm.variance_epsilon)
-    return residual, hidden, None
+    return residual, hidden, router_logits(hidden, weight)
 
 
 def _gemv_add_norm_router(unfused: Callable, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
@@ -371,12 +354,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         qkv = functools.partial(_qkv_one_by_one, linear)
     router_logits = _router_logits_gemv if kernel_name == "triton" else _router_logits_linear
     add_norm_qkv = functools.partial(_add_norm_then_qkv, small_ops["rms_norm"], small_ops["add_rms_norm"], qkv)
-    add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"])
-    route = functools.partial(_route_apart, router_logits, small_ops["router_topk"])
-    if kernel_name == "triton":
-        route = functools.partial(_route_gemv_topk, route)
-        if device.type == "cuda":
-            router_topk.ticket_counter(device)  # made here, never inside a capture
+    add_norm_router = functools.partial(_add_norm_then_router, small_ops["add_rms_norm"], router_logits)
     fused_qkv = {_dense_gemv_qkv: _dense_gemv_add_norm_qkv, _nf4_gemv_qkv: _nf4_gemv_add_norm_qkv}.get(qkv)
     fuse_router_norm = fuse_norms if fuse_router_norm is None else fuse_router_norm
     fuse_qkv, fuse_router = fuse_norms and fused_qkv is not None, fuse_router_norm and kernel_name == "triton"
@@ -393,8 +371,6 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         ("attention", kernel_name, "split-KV decode attention over live positions" if kernel_name == "triton"
          else "torch SDPA over the whole cache, masked"),
         ("router", kernel_name, kernel_why + (f"; logits by moegraph's GEMV up to {gemv.ROUTER_MAX_ROWS} rows"
-                                              + (f", with the top-k in its launch up to {router_topk.FUSED_MAX_ROWS}"
-                                                 if router_topk.FUSED_MAX_ROWS else "")
                                               if kernel_name == "triton" else "")),
         ("experts", backend.name, backend.reason),
         ("compiled", "grouped_mm", COMPILED_REASON),
@@ -404,7 +380,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
                    capture_safe=backend.capture_safe and device.type == "cuda",
                    experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv,
                    add_norm_qkv=add_norm_qkv, add_norm_router=add_norm_router, reasons=reasons,
-                   router_logits=router_logits, route=route,
+                   router_logits=router_logits,
                    **small_ops)
 
 

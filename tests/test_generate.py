@@ -205,44 +205,25 @@ def test_triton_decode_kernels_equal_transformers(monkeypatch):
 def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     """With the Triton kernels (the interpreter here) at decode batch sizes, the norm before attention runs inside
     the q/k/v GEMV and the one before the MoE block inside the router's, one launch each per layer and step;
-    fuse_norms=False keeps them apart, and there the router's GEMV and its top-k take one launch
-    (router_topk.FUSED_MAX_ROWS, off by default until timed, on here). transformers' tokens either way."""
+    fuse_norms=False keeps them apart. transformers' tokens either way."""
     from moegraph import ops
     from moegraph.cuda_graph import decoder
-    from moegraph.kernels import gemv, router_topk
+    from moegraph.kernels import gemv
 
     model = build_model("tiny", seed=4, num_layers=2)
     monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
         m, backend, kernels="triton", fuse_norms=fuse_norms))
-    monkeypatch.setattr(router_topk, "FUSED_MAX_ROWS", 8)
-    calls = {"qkv": 0, "router": 0, "route": 0}
-    for module, name, key in ((gemv, "add_rms_norm_gemv_group", "qkv"), (gemv, "add_rms_norm_gemv", "router"),
-                              (router_topk, "router_gemv_topk", "route")):
-        def counted(*args, _fn=getattr(module, name), _key=key, **kwargs):
+    calls = {"qkv": 0, "router": 0}
+    for name, key in (("add_rms_norm_gemv_group", "qkv"), ("add_rms_norm_gemv", "router")):
+        def counted(*args, _fn=getattr(gemv, name), _key=key, **kwargs):
             calls[_key] += 1
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
+        monkeypatch.setattr(gemv, name, counted)
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=23)
     want, got, stats = _both(model, inputs, max_new_tokens=4, do_sample=False)
     assert stats.fallback_reason is None and torch.equal(got, want)
-    launches = 2 * (stats.steps - 1)  # layers x decode steps (the first token: prefill's)
-    fused = launches if fuse_norms else 0
-    assert calls == {"qkv": fused, "router": fused, "route": launches - fused}
-
-
-def test_router_gemv_and_top_k_apart_above_the_fused_rows(monkeypatch):
-    from moegraph import ops
-    from moegraph.kernels import router_topk
-
-    table = ops.resolve_ops(torch.device("cpu"), torch.float32, kernels="triton")
-    monkeypatch.setattr(router_topk, "FUSED_MAX_ROWS", 2)
-    fused = []
-    monkeypatch.setattr(router_topk, "router_gemv_topk", lambda *args: fused.append(args))
-    weight = torch.randn(8, 16)
-    weights, index = table.route(torch.randn(3, 16), weight, 2, True)
-    assert not fused and index.shape == (3, 2)
-    table.route(torch.randn(2, 16), weight, 2, True)
-    assert len(fused) == 1
+    launches = (2 if fuse_norms else 0) * (stats.steps - 1)  # layers x decode steps (the first token: prefill's)
+    assert calls == {"qkv": launches, "router": launches}
 
 
 @pytest.mark.parametrize("fuse_norms, fuse_router_norm", [(False, True), (True, False), (False, None)])

@@ -17,10 +17,8 @@
 #   batch1        ~10 min the NF4 GPU tests, then issue 8's batch-1 leads: the words lookup's tiles (kernels), the norms
 #                           inside the GEMVs (q/k/v now on the words lookup behind its norm), the router's norm alone,
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
-#   early_weights ~5 min  issue 8: the NF4 words loops loading their first weights before the PDL wait (untimed,
-#                           off): graph == eager and the PDL checks with it on, the decode-step A/B at batch 1 / 8
-#   fusions       ~9 min  issue 8: early_weights' checks and A/B, and the router's GEMV + top-k in one launch
-#                           (router_topk.FUSED_MAX_ROWS, untimed, off): graph == eager with both on, the A/B of each
+#   wide_steps    ~8 min  issue 8: the one-row NF4 GEMVs' 16 x 2048 tiles (q/k/v): decode-step A/B, kernel checks,
+#                           then nf4_final
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
@@ -120,23 +118,13 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
         step 200 gpu_tests_defaults python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
             tests/test_generate_cuda.py tests/kernels/test_decode_attention.py
         ;;
-    early_weights)  # issue 8: the NF4 words loops loading their first weight step before the PDL wait
-                    # (nf4_moe / nf4_gemv WEIGHTS_BEFORE_WAIT, off until timed): its tests with it on, then the A/B
-        step 120 gpu_tests_early python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
-ab_decode._early_weights(True)  # the NF4 graph == eager tests and the PDL checks with it on
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/kernels/test_pdl.py']))"
-        step 170 ab_early_weights bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            early_weights --batch-sizes 1,8 --runs 2"
-        ;;
-    fusions)  # issue 8: the NF4 words loops' early weights, the router's GEMV + top-k in one launch, the experts'
-              # combine inside the next norm (all off until timed): the decode-step A/B of each, then graph == eager
-              # and the PDL / kernel checks with all three on
-        step 430 ab_fusions bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            early_weights,route_fused,combine_in_norm --batch-sizes 1,8 --runs 2"
-        step 150 gpu_tests_fusions python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ab_decode, pytest
-ab_decode._early_weights(True); ab_decode._route_fused(True)  # the graph == eager tests with both on
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cuda.py', 'tests/test_generate_cuda.py',
-                      'tests/kernels/test_pdl.py', 'tests/kernels/test_kernels.py']))"
+    wide_steps)  # issue 8: one-row NF4 GEMVs of >= 4096 outputs in 16 x 2048 tiles (nf4_gemv.WIDE_TILE, the default
+                 # since its kernel timing): the decode-step A/B, the PDL and kernel checks, then nf4_final
+        step 170 ab_wide_steps bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_wide_steps --batch-sizes 1,8 --runs 2"
+        step 120 gpu_tests_kernels python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_pdl.py \
+            tests/kernels/test_kernels.py tests/kernels/test_nf4_kernels.py
+        stage nf4_final
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
@@ -144,7 +132,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/test_nf4_cud
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests early_weights fusions nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps nf4_final)" >&2
         exit 2
         ;;
     esac

