@@ -116,3 +116,48 @@ def test_kernel_at_qwen3_shapes_on_gpu(rows, length):
     got = decode_attention(q, k, v, positions, 128 ** -0.5)
     want = decode_attention_ref(q.float(), k.float(), v.float(), positions, 128 ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _rope_inputs(rows, q_heads, kv_heads, head_dim, capacity, dtype, norm, seed):
+    """Projection outputs, q/k-norm weights (or None), cos / sin rows, caches holding earlier tokens."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads * head_dim, generator=g) for heads in (q_heads, kv_heads, kv_heads))
+    weights = [torch.rand(head_dim, generator=g) + 0.5 for _ in range(2)] if norm else [None, None]
+    angles = torch.rand(rows, head_dim // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    caches = [torch.randn(rows, kv_heads, capacity, head_dim, generator=g) for _ in range(2)]
+    move = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
+    return [move(t) for t in (q, k, v, *weights, cos, sin)], [move(c) for c in caches]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("rows, q_heads, kv_heads, head_dim, max_splits", [(3, 8, 2, 32, 4), (1, 4, 4, 16, 1)])
+def test_rope_in_the_split_launch_is_qk_norm_rope_then_attention(dtype, norm, rows, q_heads, kv_heads, head_dim,
+                                                                 max_splits):
+    """rope_decode_attention writes the caches qk_norm_rope writes, bit for bit, and attends as the two ops apart
+    (the queries' norm sums their squares in another order: float32 within an ulp or two)."""
+    from moegraph.kernels.decode_attention import rope_decode_attention
+    from moegraph.kernels.qk_norm_rope import qk_norm_rope
+
+    (q, k, v, qw, kw, cos, sin), (key_cache, value_cache) = _rope_inputs(rows, q_heads, kv_heads, head_dim, 200,
+                                                                         dtype, norm, seed=31)
+    positions = torch.tensor([0, 70, 199][:rows], device=DEVICE)  # one token, several chunks, the cache's end
+    fused_caches = key_cache.clone(), value_cache.clone()
+    queries = qk_norm_rope(q, k, v, qw, kw, cos, sin, positions, key_cache, value_cache, 1e-6)
+    want = decode_attention(queries, key_cache, value_cache, positions, 0.3, max_splits=max_splits)
+    got = rope_decode_attention(q, k, v, qw, kw, cos, sin, positions, *fused_caches, 1e-6, 0.3, max_splits=max_splits)
+    assert torch.equal(fused_caches[0], key_cache) and torch.equal(fused_caches[1], value_cache)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: a query value may round the other way
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_rope_in_the_split_launch_refuses_what_it_does_not_fit():
+    from moegraph.kernels.decode_attention import rope_decode_attention
+
+    (q, k, v, qw, kw, cos, sin), caches = _rope_inputs(2, 4, 2, 16, 32, torch.float32, True, seed=32)
+    with pytest.raises(ValueError, match="both q_weight and k_weight"):
+        rope_decode_attention(q, k, v, qw, None, cos, sin, torch.zeros(2, dtype=torch.long), *caches, 1e-6, 0.3)
+    with pytest.raises(ValueError, match="do not fit"):
+        rope_decode_attention(q, k[:, :8], v, qw, kw, cos, sin, torch.zeros(2, dtype=torch.long), *caches, 1e-6, 0.3)
