@@ -32,8 +32,6 @@ Switches (each a module-level choice that a new patch's captures read):
   launch) in 16-row tiles of 2048 columns a step (on) rather than 1024 (nf4_gemv.WIDE_TILE); NF4 rows only;
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step before waiting for the kernel before
   them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
-- rope_in_attention: q/k norm, RoPE and the new token's cache write inside the decode attention's split launch,
-  one launch fewer a layer (decode_attention.ROPE_IN_SPLIT; Qwen3-MoE's attention);
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -113,10 +111,6 @@ def _nf4_wide_steps(on: bool) -> None:
     nf4_gemv.WIDE_TILE = (16, 2048) if on else (16, 1024)
 
 
-def _rope_in_attention(on: bool) -> None:
-    decode_attention.ROPE_IN_SPLIT = on
-
-
 def _early_weights(on: bool) -> None:
     nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
 
@@ -134,8 +128,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True),
-            "rope_in_attention": (_rope_in_attention, False, False)}
+            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

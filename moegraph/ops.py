@@ -87,16 +87,6 @@ class OpTable:
         3.33 / 10.92 after the wait."""
         return self.formats.experts != NF4 and self.formats.projections != LINEAR4BIT
 
-    @property
-    def rope_attention(self) -> Callable | None:
-        """qk_norm_rope and decode_attention with one launch fewer (decode_attention.rope_decode_attention), where
-        both are moegraph's kernels and decode_attention.ROPE_IN_SPLIT is on (read per call: a benchmark's A/B
-        switches it between two patches); None: the two ops apart."""
-        if (decode_attention.ROPE_IN_SPLIT and self.qk_norm_rope is _FUSED["qk_norm_rope"]
-                and self.decode_attention is _FUSED["decode_attention"]):
-            return decode_attention.rope_decode_attention
-        return None
-
     def describe(self) -> str:
         head = (f"decode ops for {self.dtype} on {self.device} (experts {self.formats.experts}, projections "
                 f"{self.formats.projections}): {'capture-safe' if self.capture_safe else 'eager only'}")

@@ -242,7 +242,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
                "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS,
                "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT),
-               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE, "rope_in_attention": lambda: decode_attention.ROPE_IN_SPLIT}
+               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -252,8 +252,7 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
                               ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS")),
                               ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT")),
-                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE")),
-                              ("rope_in_attention", (decode_attention, "ROPE_IN_SPLIT"))):
+                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)

@@ -201,35 +201,6 @@ def test_triton_decode_kernels_equal_transformers(monkeypatch):
     assert torch.equal(got, want)
 
 
-def test_rope_inside_the_attention_launch_gives_transformers_tokens(monkeypatch):
-    """decode_attention.ROPE_IN_SPLIT (off until timed): the decode step's q/k norm, RoPE and cache write run in the
-    attention's split launch, and qk_norm_rope's own launch is gone; transformers' tokens (interpreter, fp32)."""
-    from moegraph import ops
-    from moegraph.cuda_graph import decoder
-    from moegraph.kernels import decode_attention, qk_norm_rope
-
-    model = build_model("tiny", seed=4, num_layers=1)
-    monkeypatch.setattr(decoder, "ops_for_model",
-                        lambda m, backend="auto": ops.ops_for_model(m, backend, kernels="triton"))
-    monkeypatch.setattr(decode_attention, "ROPE_IN_SPLIT", True)
-    calls = {"qk_norm_rope": 0, "rope_decode_attention": 0}
-
-    class CountedLaunches:  # qk_norm_rope's kernel, whose launches (kernel[grid](...)) are counted
-        def __getitem__(self, grid, _kernel=qk_norm_rope._qk_norm_rope_kernel):
-            calls["qk_norm_rope"] += 1
-            return _kernel[grid]
-
-    def counted(*args, _fn=decode_attention.rope_decode_attention, **kwargs):
-        calls["rope_decode_attention"] += 1
-        return _fn(*args, **kwargs)
-    monkeypatch.setattr(qk_norm_rope, "_qk_norm_rope_kernel", CountedLaunches())
-    monkeypatch.setattr(decode_attention, "rope_decode_attention", counted)
-    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=21)
-    want, got, stats = _both(model, inputs, max_new_tokens=4, do_sample=False)
-    assert stats.fallback_reason is None and torch.equal(got, want)
-    assert calls == {"qk_norm_rope": 0, "rope_decode_attention": stats.steps - 1}  # one layer, every decode step
-
-
 @pytest.mark.parametrize("fuse_norms", [True, False])
 def test_norms_fused_into_the_gemvs_after_them(monkeypatch, fuse_norms):
     """With the Triton kernels (the interpreter here) at decode batch sizes, the norm before attention runs inside

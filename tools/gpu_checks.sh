@@ -19,8 +19,6 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   wide_steps    ~8 min  issue 8: the one-row NF4 GEMVs' 16 x 2048 tiles (q/k/v): decode-step A/B, kernel checks,
 #                           then nf4_final
-#   rope_attention ~8 min issue 8: q/k norm + RoPE inside the attention's launch (untimed, off): decode-step A/B,
-#                           graph == eager with it on, the NF4 bench with it on
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
@@ -128,27 +126,13 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             tests/kernels/test_kernels.py tests/kernels/test_nf4_kernels.py
         stage nf4_final
         ;;
-    rope_attention)  # issue 8: q/k norm + RoPE + the cache write inside the attention's split launch
-                     # (decode_attention.ROPE_IN_SPLIT, off until timed): the A/B, then its tests and the NF4 bench
-                     # with it on
-        step 230 ab_rope_attention bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            rope_in_attention --batch-sizes 1,8 --runs 2"
-        step 150 gpu_tests_rope python3 -c "import sys, pytest; from moegraph.kernels import decode_attention
-decode_attention.ROPE_IN_SPLIT = True  # the graph == eager tests with it on
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/kernels/test_decode_attention.py',
-                      'tests/test_nf4_cuda.py', 'tests/test_generate_cuda.py']))"
-        step 100 bench_nf4_rope python3 -c "import sys; from moegraph.kernels import decode_attention; from moegraph import cli
-decode_attention.ROPE_IN_SPLIT = True
-sys.exit(cli.main(['bench', '--quant', 'nf4', '--backends', 'moegraph', '--batch-sizes', '1,8', '--runs', '2',
-                   '--total-budget-s', '90', '--out', '$out']))"
-        ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps rope_attention nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps nf4_final)" >&2
         exit 2
         ;;
     esac

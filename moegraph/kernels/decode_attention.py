@@ -14,9 +14,6 @@ Two launches, both with grids fixed by (b, Hkv or Hq, max_splits), so one captur
 2. `_combine_kernel`, grid (b, Hq): merges the row's partials (and the sink) into the output, COMBINE_SPLITS
    partials at a time.
 max_splits is chosen on the host from (b, Hkv, capacity) only, so it is fixed for a captured graph.
-rope_decode_attention takes q/k/v as the projections give them and does qk_norm_rope's work in the split
-launch (ROPE_IN_SPLIT): each program norms and rotates its group's queries in registers, and the program whose
-chunk ends at the row's new token writes that token's K/V to the cache before reading its chunk.
 Softmax in base 2 with the scale folded in (exp2 is one instruction); P is rounded to the value dtype before
 P @ V, as flash attention does, so bf16 results match SDPA to bf16 rounding.
 """
@@ -30,7 +27,6 @@ import torch
 
 from . import _INTERPRET
 from ._triton import pdl, pdl_wait, tl, triton
-from .qk_norm_rope import _check_weights, _norm_rope_half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
@@ -40,47 +36,6 @@ BLOCK_N = 64  # keys per inner step
 MIN_CHUNK = 64
 WAVES = 4  # programs to aim for per SM when choosing max_splits
 COMBINE_SPLITS = 32  # partials the combine weighs at a time
-# qk_norm_rope inside the split launch (rope_decode_attention; models that norm and rotate q/k, e.g. Qwen3-MoE):
-# one launch fewer a layer. Untimed: off until ab_decode.py rope_in_attention has timed it
-ROPE_IN_SPLIT = False
-
-
-@triton.jit
-def _normed_rotated_queries(q_row, heads, in_group, dims, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr,
-                            NORM: tl.constexpr):
-    """qk_norm_rope's queries for one GQA group, [GROUP_PAD, HEAD_DIM], rounded where it rounds; each value's
-    rotate_half partner is loaded again (same row, other half) rather than moved between registers."""
-    half: tl.constexpr = HEAD_DIM // 2
-    partner = (dims + half) % HEAD_DIM
-    x = tl.load(q_row + heads[:, None] * HEAD_DIM + dims[None, :], mask=in_group[:, None], other=0.0)
-    xp = tl.load(q_row + heads[:, None] * HEAD_DIM + partner[None, :], mask=in_group[:, None], other=0.0)
-    dtype = x.dtype
-    n = x.to(tl.float32)
-    np_ = xp.to(tl.float32)
-    if NORM:
-        inv = tl.rsqrt(tl.sum(n * n, axis=1) / HEAD_DIM + eps)[:, None]
-        n = (tl.load(w_ptr + dims).to(tl.float32)[None, :] * (n * inv).to(dtype).to(tl.float32)).to(dtype)
-        np_ = (tl.load(w_ptr + partner).to(tl.float32)[None, :] * (np_ * inv).to(dtype).to(tl.float32)).to(dtype)
-        n = n.to(tl.float32)
-        np_ = np_.to(tl.float32)
-    sign = tl.where(dims < half, -1.0, 1.0)[None, :]  # rotate_half(x) = cat(-x_b, x_a)
-    cos = tl.load(cos_row + dims).to(tl.float32)[None, :]
-    sin = tl.load(sin_row + dims).to(tl.float32)[None, :]
-    return ((n * cos).to(dtype).to(tl.float32) + (sign * np_ * sin).to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def _write_new_token(new_k_ptr, new_v_ptr, k_cache, v_cache, cache_offset, src_offset, kw_ptr, cos_row, sin_row,
-                     eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """The new token's K (normed and rotated, as qk_norm_rope writes it: same bits) and V into the cache."""
-    half: tl.constexpr = HEAD_DIM // 2
-    cols = tl.arange(0, half)
-    ka, kb = _norm_rope_half(tl.load(new_k_ptr + src_offset + cols), tl.load(new_k_ptr + src_offset + half + cols),
-                             kw_ptr, cos_row, sin_row, eps, half, NORM)
-    tl.store(k_cache + cache_offset + cols, ka.to(k_cache.dtype.element_ty))
-    tl.store(k_cache + cache_offset + half + cols, kb.to(k_cache.dtype.element_ty))
-    tl.store(v_cache + cache_offset + cols, tl.load(new_v_ptr + src_offset + cols))
-    tl.store(v_cache + cache_offset + half + cols, tl.load(new_v_ptr + src_offset + half + cols))
 
 
 @triton.jit
@@ -88,10 +43,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
                   scale_log2, window, max_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, CACHE_ROWS: tl.constexpr = False,
-                  USE_PDL: tl.constexpr = False, new_k_ptr=None, new_v_ptr=None, qw_ptr=None, kw_ptr=None,
-                  cos_ptr=None, sin_ptr=None, eps=0.0, ROPE: tl.constexpr = False, NORM: tl.constexpr = False):
-    """ROPE: q_ptr holds the projection's q [b, Hq * D], new_k_ptr / new_v_ptr its k / v [b, Hkv * D] (see
-    rope_decode_attention)."""
+                  USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -110,24 +62,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
         dims = tl.arange(0, HEAD_DIM)
         heads = kv * GROUP + group
         in_group = group < GROUP
-        if ROPE:
-            q = _normed_rotated_queries(q_ptr + row * q_heads * HEAD_DIM, heads, in_group, dims, qw_ptr,
-                                        cos_ptr + row * HEAD_DIM, sin_ptr + row * HEAD_DIM, eps, HEAD_DIM, NORM)
-        else:
-            q = tl.load(q_ptr + (row * q_heads + heads)[:, None] * HEAD_DIM + dims[None, :],
-                        mask=in_group[:, None], other=0.0)
+        q = tl.load(q_ptr + (row * q_heads + heads)[:, None] * HEAD_DIM + dims[None, :], mask=in_group[:, None],
+                    other=0.0)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats in tl.dot wrongly; the GPU keeps them
             q = q.to(tl.float32)
         if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
             base = tl.load(rows_ptr + row) * k_row_stride + kv * k_head_stride
         else:
             base = row * k_row_stride + kv * k_head_stride
-        if ROPE:
-            if hi == end:  # this chunk holds the new token: its K/V go to the cache before the loop reads them
-                _write_new_token(new_k_ptr, new_v_ptr, k_ptr, v_ptr, base + (end - 1) * HEAD_DIM,
-                                 (row * (q_heads // GROUP) + kv) * HEAD_DIM, kw_ptr, cos_ptr + row * HEAD_DIM,
-                                 sin_ptr + row * HEAD_DIM, eps, HEAD_DIM, NORM)
-                tl.debug_barrier()  # the block's own stores, visible to all its threads
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -228,6 +170,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     out = torch.empty_like(q)
     windowed = window is not None
     window = window if windowed else 0
+    splits_pad = triton.next_power_of_2(max_splits)
     _split_kernel[(rows, kv_heads, max_splits)](
         q, key_cache, value_cache, positions, positions if cache_rows is None else cache_rows, partial_acc,
         partial_ml, q_heads, key_cache.stride(0), key_cache.stride(1), scale * LOG2E, window, max_splits, GROUP=group,
@@ -235,63 +178,11 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         WINDOWED=windowed, UPCAST=_INTERPRET, CACHE_ROWS=cache_rows is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
         **pdl(q.device))
-    _launch_combine(partial_acc, partial_ml, positions, sinks, out, window, max_splits, head_dim, windowed)
-    return out
-
-
-def _launch_combine(partial_acc, partial_ml, positions, sinks, out, window, max_splits, head_dim, windowed):
-    rows, q_heads = out.shape[:2]
-    splits_pad = triton.next_power_of_2(max_splits)
     _combine_kernel[(rows, q_heads)](
         partial_acc, partial_ml, positions, sinks if sinks is not None else partial_ml, out, q_heads, window,
         max_splits, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, SPLITS_STEP=min(splits_pad, COMBINE_SPLITS),
-        BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4,
-        **pdl(out.device))
-
-
-def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight, cos, sin,
-                          positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, eps,
-                          scale: float, max_splits: int | None = None) -> torch.Tensor:
-    """qk_norm_rope(q, k, v, ...) then decode_attention(that q, ...) in the split launch: q [b, Hq * D], k / v
-    [b, Hkv * D] as the projections give them, q_weight / k_weight [D] or both None (RoPE only), cos / sin [b, D];
-    writes the new token's K/V at positions[row] and returns [b, Hq, D]. Decode rows (row i in cache row i), every
-    position visible, no sinks: the other cases keep the two ops apart."""
-    rows, head_dim = q.shape[0], key_cache.shape[-1]
-    norm = _check_weights(q_weight, k_weight, head_dim)
-    q_heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
-    _check(q.reshape(rows, q_heads, head_dim), key_cache, value_cache, positions, None)
-    if key_cache.shape[1] != kv_heads or v.shape[-1] != k.shape[-1] or q.shape[-1] != q_heads * head_dim:
-        raise ValueError(f"rope_decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do "
-                         f"not fit caches {tuple(key_cache.shape)}")
-    if not key_cache.is_contiguous():
-        raise ValueError("rope_decode_attention: the caches must be contiguous [rows, kv_heads, positions, head_dim]")
-    if max_splits is None:
-        max_splits = choose_max_splits(rows, kv_heads, key_cache.shape[2], q.device)
-    q, k, v = q.reshape(rows, -1).contiguous(), k.reshape(rows, -1).contiguous(), v.reshape(rows, -1).contiguous()
-    cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
-    if not norm:  # the kernel reads no weight when NORM is off
-        q_weight, k_weight, eps = q, q, 0.0
-    out = torch.empty(rows, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    partial_acc = torch.empty((rows, q_heads, max_splits, head_dim), dtype=torch.float32, device=q.device)
-    partial_ml = torch.empty((rows, q_heads, max_splits, 2), dtype=torch.float32, device=q.device)
-    group = q_heads // kv_heads
-    _split_kernel[(rows, kv_heads, max_splits)](
-        q, key_cache, value_cache, positions, positions, partial_acc, partial_ml, q_heads, key_cache.stride(0),
-        key_cache.stride(1), scale * LOG2E, 0, max_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK, WINDOWED=False, UPCAST=_INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", new_k_ptr=k, new_v_ptr=v, qw_ptr=q_weight,
-        kw_ptr=k_weight, cos_ptr=cos, sin_ptr=sin, eps=eps, ROPE=True, NORM=norm, num_warps=4, num_stages=2,
-        **pdl(q.device))
-    _launch_combine(partial_acc, partial_ml, positions, None, out, 0, max_splits, head_dim, False)
+        BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK, WINDOWED=windowed, HAS_SINK=sinks is not None, num_warps=4, **pdl(q.device))
     return out
-
-
-def rope_decode_attention_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps, scale,
-                              max_splits=None):
-    from .qk_norm_rope import qk_norm_rope_ref
-
-    q = qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps)
-    return decode_attention_ref(q, key_cache, value_cache, positions, scale)
 
 
 def _check(q, key_cache, value_cache, positions, sinks, cache_rows=None) -> None:

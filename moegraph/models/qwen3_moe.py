@@ -38,10 +38,6 @@ def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positio
     q, k, v = qkv
     rows = q.shape[0]
     key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    if ops.rope_attention is not None and cache_rows is None:  # the norm and RoPE inside the attention's launch
-        out = ops.rope_attention(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
-                                 value_cache, attn.q_norm.variance_epsilon, attn.scaling)
-        return ops.linear(attn.o_proj, out.reshape(rows, -1))
     # [b, Hq, D]; K/V written at `positions` (of each row's cache row)
     q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
                          value_cache, attn.q_norm.variance_epsilon, cache_rows=cache_rows)
