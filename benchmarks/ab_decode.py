@@ -30,8 +30,9 @@ Switches (each a module-level choice that a new patch's captures read):
   rather than 4 (nf4_moe.ONE_TOKEN_NUM_WARPS); NF4 rows only;
 - nf4_wide_steps (on by default since 2026-12-07): one-row NF4 GEMVs of 4096 or more outputs (q; q/k/v in one
   launch) in 16-row tiles of 2048 columns a step (on) rather than 1024 (nf4_gemv.WIDE_TILE); NF4 rows only;
-- early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step before waiting for the kernel before
-  them (the GEMVs always; the one-to-15-token down kernel with the late trigger, its routing too); NF4 rows only;
+- early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step
+  before waiting for the kernel before them (the GEMVs always; the one-to-15-token down kernel with the late
+  trigger, its routing too); NF4 rows only;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may

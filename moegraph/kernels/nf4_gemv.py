@@ -44,7 +44,7 @@ BLOCK_K = 256  # columns per step, tensor cores: 128 bytes of a row, 16-byte loa
 # 4.90 us against 16 x 1024 5.15 and 8 x 2048 5.17; 4096 -> 2048: 8 x 2048 5.71 (16 x 2048 6.27: half the programs)
 WIDE_ROWS = 4096  # from this many output rows WIDE_TILE, below it 8 x 2048
 # The 48-layer decode step did not notice (ab_decode.py nf4_wide_steps: 2.178 -> 2.174 ms at batch 1, 6.970 -> 6.996
-# at 8, within the run-to-run spread): the q/k/v launch is one of ~11 a layer, each near its latency floor
+# at 8, within the run-to-run spread): the q/k/v launch is one of 12 a layer, each near its latency floor
 WIDE_TILE = (16, 2048)  # (rows, columns a step); (16, 1024) before 2026-12-07
 DOT_MIN_M = 2  # tensor cores from 2 rows: at M = 8 the multiply-add path (one row a program) takes 35 us, dot 12
 DOT_BLOCK_M = 16  # the smallest tl.dot side: x rows padded to 16
