@@ -129,7 +129,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "pdl_late_trigger": (_pdl_late_trigger, None, False),
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
-            "nf4_wide_steps": (_nf4_wide_steps, True, True), "early_weights": (_early_weights, True, True)}
+            "nf4_wide_steps": (_nf4_wide_steps, True, True),
+            "early_weights": (_early_weights, True, True)}
 
 
 def _set_all(names, on: bool) -> None:
