@@ -19,6 +19,7 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   wide_steps    ~8 min  issue 8: the one-row NF4 GEMVs' 16 x 2048 tiles (q/k/v): decode-step A/B, kernel checks,
 #                           then nf4_final
+#   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
 #   done11        ~9 min  issue 11's "Done when" figures: decode 1/8/32/64 greedy and sampled beside
@@ -126,13 +127,19 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             tests/kernels/test_kernels.py tests/kernels/test_nf4_kernels.py  # 120 s ran out while Triton compiled
         stage nf4_final
         ;;
+    done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
+            # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
+        stage defaults_tests
+        step 240 bench_nf4_done8 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8,32,64 \
+            --runs 2 --total-budget-s 220 --out "$out"
+        ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps done8 nf4_final)" >&2
         exit 2
         ;;
     esac
