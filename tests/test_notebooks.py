@@ -9,6 +9,7 @@ moegraph.testing.save_tiny_checkpoint, the path a Hub name takes. Any cell error
 traceback.
 """
 
+import concurrent.futures
 import importlib.util
 import os
 import pathlib
@@ -95,9 +96,8 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), num_layers=2)
 
 
-@pytest.fixture
-def offline_kernel_env(monkeypatch):
-    # the kernel inherits this environment: this checkout's moegraph, no Hub access, no display
+def _offline_kernel_env(monkeypatch):
+    # the kernels inherit this environment: this checkout's moegraph, no Hub access, no display
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -105,26 +105,49 @@ def offline_kernel_env(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU decode path needs no Triton
 
 
-def run(name, values, tmp_path):
-    record = runner.run_notebook(NOTEBOOKS / f"{name}.ipynb", tmp_path / f"{name}.ipynb", values,
+VARIANTS = {"test_notebook_runs_top_to_bottom_on_a_preset": "preset",
+            "test_notebook_runs_top_to_bottom_on_a_checkpoint": "checkpoint"}
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(request, checkpoint, tmp_path_factory):
+    """The selected runs started at once, two kernels at a time: a kernel spends most of its run importing torch
+    and transformers on one core, so on a 2-core machine two side by side take about the time of one."""
+    runs = [(item.callspec.params["name"], VARIANTS[item.originalname]) for item in request.session.items
+            if item.originalname in VARIANTS and item.module is request.module]
+    with pytest.MonkeyPatch.context() as monkeypatch, concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        _offline_kernel_env(monkeypatch)
+        futures = {}
+        for name, variant in runs:
+            values = dict(CI[name], MODEL=str(checkpoint)) if variant == "checkpoint" else CI[name]
+            futures[name, variant] = pool.submit(_run, name, values, tmp_path_factory.mktemp(f"{name}_{variant}"))
+        yield futures
+
+
+def _run(name, values, folder):
+    record = runner.run_notebook(NOTEBOOKS / f"{name}.ipynb", folder / f"{name}.ipynb", values,
                                  origin="tests/test_notebooks.py", run_info={"device": "cpu", "set": "ci"},
                                  cell_timeout_s=CELL_TIMEOUT_S)
-    print(f"{name}: {record['wall_s']:.1f} s")
+    return record, folder / f"{name}.ipynb"
+
+
+def check_run(notebook_runs, name, variant):
+    record, path = notebook_runs[name, variant].result()
+    print(f"{name} ({variant}): {record['wall_s']:.1f} s")
     assert record["status"] == "ok", record["status"]
-    executed = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
+    executed = nbformat.read(path, as_version=4)
     assert executed.metadata["moegraph_run"]["status"] == "ok"
     assert all(c.execution_count for c in executed.cells if c.cell_type == "code")
-    return executed
 
 
 @pytest.mark.parametrize("name", sorted(CI))
-def test_notebook_runs_top_to_bottom_on_a_preset(name, offline_kernel_env, tmp_path):
-    run(name, CI[name], tmp_path)
+def test_notebook_runs_top_to_bottom_on_a_preset(name, notebook_runs):
+    check_run(notebook_runs, name, "preset")
 
 
 @pytest.mark.parametrize("name", ["benchmark", "quickstart"])
-def test_notebook_runs_top_to_bottom_on_a_checkpoint(name, checkpoint, offline_kernel_env, tmp_path):
-    run(name, dict(CI[name], MODEL=str(checkpoint)), tmp_path)  # benchmark: NUM_LAYERS cuts the folder's config
+def test_notebook_runs_top_to_bottom_on_a_checkpoint(name, notebook_runs):
+    check_run(notebook_runs, name, "checkpoint")  # benchmark: NUM_LAYERS cuts the folder's config
 
 
 def test_injected_cell_replaces_an_earlier_one():
