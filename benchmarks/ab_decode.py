@@ -116,6 +116,10 @@ def _early_weights(on: bool) -> None:
     nf4_moe.WEIGHTS_BEFORE_WAIT = nf4_gemv.WEIGHTS_BEFORE_WAIT = on
 
 
+def _nf4_shared_x(on: bool) -> None:
+    nf4_moe.SHARED_X = nf4_gemv.SHARED_X = on
+
+
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -130,7 +134,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
             "nf4_wide_steps": (_nf4_wide_steps, True, True),
-            "early_weights": (_early_weights, True, True)}
+            "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

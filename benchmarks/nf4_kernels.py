@@ -56,6 +56,7 @@ LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are tim
     "auto lookup4": L(lookup=4),
     "auto lookup4 pairs": L(lookup=4, x_pairs=True),
     "auto lookup5": L(lookup=5),  # a 32-bit word of weights a time
+    "auto alone": L(shared_x=False),  # one word a thread against each x load (before SHARED_X)
     # the words lookup (the default since 2026-12-06) in other tiles, and the shared-memory table it replaced
     "auto lookup1": L(lookup=1),
     "w5 bn8 bk1024 w4": L(use_dot=False, block_n=8, block_k=1024, num_warps=4),
@@ -107,6 +108,15 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 16/32 bk256 w8": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=8),
     "w5 16/32 bk256 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=4),
     "w5 8/16 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=8),
+    # each thread two words against one x load (SHARED_X, the default since 2026-12-07) or one; gate_up's 2048-long
+    # rows in wider steps than down's 768-long ones
+    "w5 8/16 bk256 w8 alone": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=8, shared_x=False),
+    "w5 8/16 gu512 dn256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, down_block_k=256,
+                                num_warps=8),
+    "w5 8/16 gu512 dn256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, down_block_k=256,
+                                num_warps=4),
+    "w5 8/32 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=32, num_warps=8),
+    "w5 16/32 bk256 w8 alone": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=8, shared_x=False),
     # wider steps, more of each thread's bytes in flight: slower at 1 and 8 tokens (H100, 2026-12-07)
     "w5 8/16 bk512 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8),
     "w5 8/16 bk1024 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, num_warps=4),

@@ -19,6 +19,7 @@
 #                           short attention chunks (decode step, 48 layers), the kernels of one NF4 graph replay
 #   wide_steps    ~8 min  issue 8: the one-row NF4 GEMVs' 16 x 2048 tiles (q/k/v): decode-step A/B, kernel checks,
 #                           then nf4_final
+#   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -127,6 +128,17 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             tests/kernels/test_kernels.py tests/kernels/test_nf4_kernels.py  # 120 s ran out while Triton compiled
         stage nf4_final
         ;;
+    shared_x)  # issue 8: each thread of the NF4 words loops decodes two words against one x load (SHARED_X, the
+               # same bits): the bit checks on CUDA, kernel times, the decode-step A/B, graph == eager
+        step 120 gpu_tests_shared_x python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_pdl.py \
+            tests/kernels/test_nf4_kernels.py -k "pdl or sharing_x or words"
+        step 150 nf4_kernels_shared_x python3 benchmarks/nf4_kernels.py --rows 1,8 --configs "auto alone,w5 8/16 \
+bk256 w8,w5 8/16 bk256 w8 alone,w5 8/16 gu512 dn256 w8,w5 8/16 gu512 dn256 w4,w5 8/32 bk256 w8,w5 16/32 bk256 w8,\
+w5 16/32 bk256 w8 alone"
+        step 170 ab_shared_x bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shared_x \
+            --batch-sizes 1,8 --runs 2"
+        step 120 gpu_tests_nf4 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
+        ;;
     done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
             # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
         stage defaults_tests
@@ -139,7 +151,7 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps done8 nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x done8 nf4_final)" >&2
         exit 2
         ;;
     esac

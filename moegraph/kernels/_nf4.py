@@ -73,22 +73,11 @@ def _shuffled_codes(word: str, table: str, out: list) -> str:
 _SHUFFLE_LOOKUP_ASM = tl.constexpr("{\n    .reg .b32 s<7>;"
                                    + _shuffled_codes("$8", "$9", ["$0", "$4", "$1", "$5", "$2", "$6", "$3", "$7"])
                                    + "}")
-# LOOKUP 5: one word ($1: 8 weights) dotted with its 8 x values (16-bit each, loaded from the 16 bytes at $3, x0 in
-# the low bits) in float32, in column order; $2: the lane's table value (LOOKUP 4).
-_WORD_CODES = _shuffled_codes("$1", "$2", [f"c{j}" for j in range(8)])
-_WORD_SUM = """
-    mul.rn.f32 $0, c0, x0;
-    fma.rn.f32 $0, c1, x1, $0;
-    fma.rn.f32 $0, c2, x2, $0;
-    fma.rn.f32 $0, c3, x3, $0;
-    fma.rn.f32 $0, c4, x4, $0;
-    fma.rn.f32 $0, c5, x5, $0;
-    fma.rn.f32 $0, c6, x6, $0;
-    fma.rn.f32 $0, c7, x7, $0;
-"""
-_WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n    .reg .b64 xl, xh;"
-                                  + _WORD_CODES + """
-    ld.global.v2.b64 {xl, xh}, [$3];
+# LOOKUP 5: 32-bit words of 8 weights each dotted with the same 8 x values (16-bit, the 16 bytes at the last
+# operand, x0 in the low bits) in float32, in column order (_word_dot_asm).
+_X_LOAD = {
+    "bf16": (".reg .b32 lo, hi;", """
+    ld.global.v2.b64 {xl, xh}, [ADDRESS];
     mov.b64 {lo, hi}, xl;
     shl.b32 x0, lo, 16;
     and.b32 x1, lo, 0xffff0000;
@@ -98,10 +87,10 @@ _WORD_DOT_BF16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>, lo, hi;\n 
     shl.b32 x4, lo, 16;
     and.b32 x5, lo, 0xffff0000;
     shl.b32 x6, hi, 16;
-    and.b32 x7, hi, 0xffff0000;""" + _WORD_SUM + "}")
-_WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b16 h<8>;\n    .reg .b64 xl, xh;"
-                                  + _WORD_CODES + """
-    ld.global.v2.b64 {xl, xh}, [$3];
+    and.b32 x7, hi, 0xffff0000;
+"""),
+    "fp16": (".reg .b16 h<8>;", """
+    ld.global.v2.b64 {xl, xh}, [ADDRESS];
     mov.b64 {h0, h1, h2, h3}, xl;
     mov.b64 {h4, h5, h6, h7}, xh;
     cvt.f32.f16 x0, h0;
@@ -111,7 +100,30 @@ _WORD_DOT_FP16_ASM = tl.constexpr("{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg 
     cvt.f32.f16 x4, h4;
     cvt.f32.f16 x5, h5;
     cvt.f32.f16 x6, h6;
-    cvt.f32.f16 x7, h7;""" + _WORD_SUM + "}")
+    cvt.f32.f16 x7, h7;
+"""),
+}
+
+
+def _word_dot_asm(x_type: str, words: int) -> str:
+    """PTX dotting `words` 32-bit words of 8 weights ($words .. $2words-1) with the same 8 x values into $0 ..
+    $words-1; then the lane's table value (LOOKUP 4) and x's address. Each sum is c0 x0 + ... + c7 x7 in order
+    (one mul, seven fma), so a word's sum has the same bits alone or beside another: words of rows that share
+    columns (gate and up) share one x load and its unpacking (8 instructions of ~32 a word)."""
+    regs, load = _X_LOAD[x_type]
+    table, address = f"${2 * words}", f"${2 * words + 1}"
+    lines = [load.replace("ADDRESS", address)]
+    for w in range(words):
+        lines.append(_shuffled_codes(f"${words + w}", table, [f"c{j}" for j in range(8)]))
+        lines.append(f"    mul.rn.f32 ${w}, c0, x0;\n")
+        lines += [f"    fma.rn.f32 ${w}, c{j}, x{j}, ${w};\n" for j in range(1, 8)]
+    return "{\n    .reg .b32 s<7>, c<8>, x<8>;\n    .reg .b64 xl, xh;\n    " + regs + "".join(lines) + "}"
+
+
+_WORD_DOT_ASM = {(x_type, words): tl.constexpr(_word_dot_asm(x_type, words)) for x_type in _X_LOAD
+                 for words in (1, 2)}
+_WORD_DOT_BF16_ASM, _WORD_DOT_FP16_ASM = _WORD_DOT_ASM["bf16", 1], _WORD_DOT_ASM["fp16", 1]
+_WORD_DOT2_BF16_ASM, _WORD_DOT2_FP16_ASM = _WORD_DOT_ASM["bf16", 2], _WORD_DOT_ASM["fp16", 2]
 
 
 def nf4_code(device) -> torch.Tensor:
@@ -390,18 +402,30 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                 TWO: tl.constexpr, res_ptr=None, nw_ptr=None, inv_rms=None, NORM: tl.constexpr = False,
-                HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False, WAIT: tl.constexpr = 0):
+                HAS_ADD: tl.constexpr = False, X_PAIRS: tl.constexpr = False, WAIT: tl.constexpr = 0,
+                SHARE_X: tl.constexpr = False):
     """_nf4_matmul_bytes, or with LOOKUP 5 on the multiply-add path (16-bit x, no norm, whole 64-blocks per row)
     _nf4_matmul_words; LOOKUP 5 elsewhere reads the table as LOOKUP 4 (1 under the interpreter).
     WAIT: the caller's PDL mode (pdl_wait) where it leaves the wait to this loop, else 0: the words loop issues its
     first step's weight loads (static: no earlier kernel's output) before waiting, so their latency overlaps the
-    previous kernel's tail; the bytes loop waits first."""
+    previous kernel's tail; the bytes loop waits first.
+    SHARE_X (words loop): each thread decodes two words of the same columns against one x load, rows and rows2
+    when TWO, else rows 2i and 2i + 1 of the tile (the same bits: each row's sum is unchanged)."""
     WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
                            and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
-    if WORDS:
+    if WORDS and SHARE_X and not TWO and BLOCK_N >= 2:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        rows_even, rows_odd = tl.split(tl.reshape(rows, [HALF_N, 2]))
+        mask_even, mask_odd = tl.split(tl.reshape(row_mask, [HALF_N, 2]))
+        even, odd = _nf4_matmul_words(x_ptr, x_rows, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
+                                      offset_ptr, code_ptr, rows_even, rows_odd, mask_even, mask_odd, kb_start,
+                                      kb_end, row_bytes, HALF_N, BLOCK_K, NESTED, EXACT_MUL, True, WAIT, True)
+        acc = tl.reshape(tl.join(even, odd), [BLOCK_N])
+        acc2 = acc
+    elif WORDS:
         acc, acc2 = _nf4_matmul_words(x_ptr, x_rows, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                                      code_ptr, rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K,
-                                      NESTED, EXACT_MUL, TWO, WAIT)
+                                      code_ptr, rows, rows2, row_mask, row_mask, kb_start, kb_end, row_bytes, BLOCK_N,
+                                      BLOCK_K, NESTED, EXACT_MUL, TWO, WAIT, SHARE_X)
     else:
         pdl_wait(WAIT)
         acc, acc2 = _nf4_matmul_bytes(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
@@ -527,14 +551,14 @@ def _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offse
 
 @triton.jit
 def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr,
-                      rows, rows2, row_mask, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
+                      rows, rows2, row_mask, row_mask2, kb_start, kb_end, row_bytes, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, TWO: tl.constexpr,
-                      WAIT: tl.constexpr = 0):
+                      WAIT: tl.constexpr = 0, SHARE_X: tl.constexpr = False):
     """The multiply-add path of _nf4_matmul_bytes (one row x_row of 16-bit x) a 32-bit word at a time: one asm per
     word of 8 weights shuffles their code values out of the lane table, loads their 8 x values (16 bytes, L1 hits)
     and sums the 8 products in float32 (in column order); the absmax scales each word's sum. Not "pure": its x
     load must stay after the kernel's wait on the kernel before it (PDL). Returns ([BLOCK_N], [BLOCK_N]) as
-    _nf4_matmul."""
+    _nf4_matmul; row_mask2 masks rows2. SHARE_X (with TWO): a word of rows and one of rows2 in one asm."""
     Q: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
     if _EMULATE_PTX:
@@ -543,7 +567,9 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
     else:
         table = _nf4_table(code_ptr, 4)
         x_row_at = (x_ptr + x_row.to(tl.int64) * (2 * row_bytes)).to(tl.int64)  # the row's address
-    ASM: tl.constexpr = _WORD_DOT_BF16_ASM if x_ptr.dtype.element_ty == tl.bfloat16 else _WORD_DOT_FP16_ASM
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    ASM: tl.constexpr = _WORD_DOT_BF16_ASM if BF16 else _WORD_DOT_FP16_ASM
+    ASM2: tl.constexpr = _WORD_DOT2_BF16_ASM if BF16 else _WORD_DOT2_FP16_ASM
     acc = tl.zeros([BLOCK_N, Q], dtype=tl.float32)
     acc2 = acc
     words, absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, row_mask,
@@ -551,7 +577,7 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
     words2, absmax2 = words, absmax
     if TWO:
         words2, absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows2,
-                                          row_mask, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
+                                          row_mask2, kb_start, kb_end, row_bytes, BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
     pdl_wait(WAIT)  # x (loaded in the asm) is an earlier kernel's output; the weights above are not
     for kb in range(kb_start, kb_end, HALF):
         next_words, next_absmax = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -559,7 +585,7 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
                                                   NESTED, EXACT_MUL)
         if TWO:
             next_words2, next_absmax2 = _nf4_load_words(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
-                                                        offset_ptr, rows2, row_mask, kb + HALF, kb_end, row_bytes,
+                                                        offset_ptr, rows2, row_mask2, kb + HALF, kb_end, row_bytes,
                                                         BLOCK_N, BLOCK_K, NESTED, EXACT_MUL)
         # x of word j: bytes 16 j .. 16 j + 15 of the row, loaded inside the asm (a load here would take its own
         # layout and move the word tile between threads each step); past the row's end the row start (in bounds;
@@ -567,10 +593,16 @@ def _nf4_matmul_words(x_ptr, x_row, w_ptr, absmax_ptr, nested_code_ptr, nested_a
         word = kb // 4 + tl.arange(0, Q)
         live = (word < kb_end // 4)[None, :]
         x_at = tl.where(live, x_row_at + 16 * word.to(tl.int64)[None, :], x_row_at + tl.zeros([BLOCK_N, Q], tl.int64))
-        acc = tl.where(live, acc + _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax, acc)
+        if TWO and SHARE_X:
+            dot, dot2 = _word_dot2(words, words2, table, x_at, code_ptr, x_ptr, ASM2)
+            acc = tl.where(live, acc + dot * absmax, acc)
+            acc2 = tl.where(live, acc2 + dot2 * absmax2, acc2)
+        else:
+            acc = tl.where(live, acc + _word_dot(words, table, x_at, code_ptr, x_ptr, ASM) * absmax, acc)
+            if TWO:
+                acc2 = tl.where(live, acc2 + _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2, acc2)
         words, absmax = next_words, next_absmax
         if TWO:
-            acc2 = tl.where(live, acc2 + _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM) * absmax2, acc2)
             words2, absmax2 = next_words2, next_absmax2
     out = tl.sum(acc, axis=1)
     return out, (tl.sum(acc2, axis=1) if TWO else out)
@@ -592,6 +624,18 @@ def _word_dot(words, table, x_at, code_ptr, x_ptr, ASM: tl.constexpr):
         dot = tl.inline_asm_elementwise(ASM, "=r,r,r,l", [words, table, x_at], dtype=tl.float32, is_pure=False,
                                         pack=1)
     return dot
+
+
+@triton.jit
+def _word_dot2(words, words2, table, x_at, code_ptr, x_ptr, ASM2: tl.constexpr):
+    """_word_dot of two word tiles of the same columns (x_at) in one asm, one x load for both: the same bits."""
+    if _EMULATE_PTX:
+        dot = _word_dot(words, table, x_at, code_ptr, x_ptr, ASM2)
+        dot2 = _word_dot(words2, table, x_at, code_ptr, x_ptr, ASM2)
+    else:
+        dot, dot2 = tl.inline_asm_elementwise(ASM2, "=r,=r,r,r,r,l", [words, words2, table, x_at],
+                                              dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+    return dot, dot2
 
 
 @triton.jit

@@ -63,6 +63,8 @@ WEIGHTS_BEFORE_WAIT = True
 # its own 2K-byte scratch slice and runs the words lookup on it (else the per-nibble lookup 4, which normalizes x
 # slices in registers). Untimed: with it off, Linear4bit models keep the norm apart (ops.FUSE_NORMS)
 NORMED_WORDS = True
+# the words loop decodes rows 2i and 2i + 1 of a tile against one x load (nf4_moe.SHARED_X). Untimed yet
+SHARED_X = True
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 
@@ -79,6 +81,7 @@ class NF4LinearConfig:
     lookup: Optional[int] = None  # None: the module's LOOKUP at the call
     x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
     # (_nf4.py); None: the module's X_PAIRS at the call
+    shared_x: Optional[bool] = None  # words loop: rows 2i and 2i + 1 against one x load; None: SHARED_X at the call
 
 
 @triton.jit
@@ -87,7 +90,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                        NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        LOOKUP: tl.constexpr, X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                       EARLY_WEIGHTS: tl.constexpr = False):
+                       EARLY_WEIGHTS: tl.constexpr = False, SHARE_X: tl.constexpr = False):
     EARLY: tl.constexpr = EARLY_WEIGHTS  # _nf4_matmul waits, after its first weight loads
     if not EARLY:
         pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
@@ -104,7 +107,7 @@ def _nf4_linear_kernel(x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_
     acc, _ = _nf4_matmul(x_ptr, m, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, kb_start, kb_end, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                         False, X_PAIRS=X_PAIRS, WAIT=USE_PDL if EARLY else 0)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]
+                         False, X_PAIRS=X_PAIRS, WAIT=USE_PDL if EARLY else 0, SHARE_X=SHARE_X)  # [BLOCK_N(, BLOCK_M)]
     if SPLIT:
         offs, mask = _out_offsets(m, m_mask, rows, row_mask, N, USE_DOT)
         tl.store(out_ptr + tl.program_id(2) * M * N + offs, acc, mask=mask)  # float32 partials [SPLIT_K, M, N]
@@ -144,7 +147,7 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
                              HAS_BIAS: tl.constexpr, LOOKUP: tl.constexpr, NORM: tl.constexpr = False,
                              HAS_ADD: tl.constexpr = False, NORMED_SCRATCH: tl.constexpr = False,
                              X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                             EARLY_WEIGHTS: tl.constexpr = False):
+                             EARLY_WEIGHTS: tl.constexpr = False, SHARE_X: tl.constexpr = False):
     """Up to three weights of the same K (q, k, v) in one launch: program tiles [0, tiles0) are weight 0's rows,
     [tiles0, tiles01) weight 1's, the rest weight 2's. One launch instead of three GEMVs and their split-K sums.
     HAS_BIAS: every weight has a bias (b_i), added in float32 before the one rounding, as nf4_linear adds it.
@@ -192,7 +195,8 @@ def _nf4_linear_group_kernel(x_ptr, w0, a0, nc0, na0, o0, out0, b0, N0, w1, a1, 
     acc, _ = _nf4_matmul(x_src, x_row, m_mask, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                          code_ptr, rows, rows, row_mask, 0, row_bytes, row_bytes, x_ptr.dtype.element_ty, BLOCK_M,
                          BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False,
-                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS, WAIT=USE_PDL if EARLY else 0)
+                         res_ptr, nw_ptr, inv_rms, NORM_IN_LOOP, HAS_ADD, X_PAIRS, WAIT=USE_PDL if EARLY else 0,
+                         SHARE_X=SHARE_X)
     _store_out(out_ptr, acc, bias_ptr, m, m_mask, rows, row_mask, N, USE_DOT, HAS_BIAS)
 
 
@@ -239,10 +243,12 @@ def _launch_options(cfg: NF4LinearConfig, use_dot: bool, block_n: int) -> dict:
 
 
 def _resolve(config: Optional[NF4LinearConfig]) -> NF4LinearConfig:
-    """The config of one call with its None choices that the module decides (LOOKUP, X_PAIRS) filled in now."""
+    """The config of one call with its None choices that the module decides (LOOKUP, X_PAIRS, SHARED_X) filled in
+    now."""
     cfg = config or NF4LinearConfig()
     return replace(cfg, lookup=check_lookup("nf4_linear", LOOKUP if cfg.lookup is None else cfg.lookup),
-                   x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs)
+                   x_pairs=X_PAIRS if cfg.x_pairs is None else cfg.x_pairs,
+                   shared_x=SHARED_X if cfg.shared_x is None else cfg.shared_x)
 
 
 def _uses_dot(rows_m: int, cfg: NF4LinearConfig) -> bool:
@@ -299,7 +305,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=x.is_cuda and w.nested, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         LOOKUP=resolve_lookup(cfg.lookup, x, w.packed), X_PAIRS=pairs_readable(x, cfg.x_pairs),
-        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, **launch)
+        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, SHARE_X=cfg.shared_x, **launch)
     if split_k > 1:
         _nf4_linear_reduce_kernel[(triton.cdiv(rows_m * N, REDUCE_BLOCK),)](
             partial, bias_arg, out, rows_m * N, N, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
@@ -392,7 +398,7 @@ def _launch_group(op, x, weights, code, config, biases, norm):
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32, ALIGNED=views[0].aligned, NESTED=views[0].nested,
         EXACT_MUL=x.is_cuda and views[0].nested, HAS_BIAS=biases is not None, LOOKUP=lookup, NORM=norm is not None,
         HAS_ADD=residual is not None, NORMED_SCRATCH=normed_scratch, X_PAIRS=pairs_readable(x, cfg.x_pairs),
-        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, **launch)
+        EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT, SHARE_X=cfg.shared_x, **launch)
     return outs
 
 

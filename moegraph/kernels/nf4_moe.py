@@ -71,6 +71,9 @@ PAIR_COMBINE = False
 # waits for gate_up (_down_nf4_kernel). With nf4_gemv's: decode step 2.221 -> 2.170 ms at batch 1, 7.003 -> 6.983 at
 # batch 8, same tokens (H100, 48 layers, ab_decode.py early_weights, 2026-12-07)
 WEIGHTS_BEFORE_WAIT = True
+# words loop: each thread decodes two words of the same columns (gate and up; in down rows 2i and 2i + 1) against one
+# x load and unpacking (_nf4_matmul SHARE_X; the same bits). Untimed yet
+SHARED_X = True
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class NF4MoEConfig:
     lookup: Optional[int] = None
     x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
     combine: Optional[bool] = None  # multiply-add path: the down GEMVs and moe_combine in one launch
+    shared_x: Optional[bool] = None  # words loop: two words of the same columns a thread (None: SHARED_X)
+    down_block_k: Optional[int] = None  # None: block_k (the down rows are I = 768 long, gate_up's H = 2048)
 
 
 @triton.jit
@@ -136,7 +141,8 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                              NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
-                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                             X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                             SHARE_X: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
@@ -150,7 +156,7 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
     gate, up = _nf4_matmul(x_ptr, tokens, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                            code_ptr, n, inter + n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K,
                            USE_DOT, DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP,
-                           True, X_PAIRS=X_PAIRS)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]: both streams in one loop
+                           True, X_PAIRS=X_PAIRS, SHARE_X=SHARE_X)  # [BLOCK_N, BLOCK_M] or [BLOCK_N]: both streams
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
@@ -164,7 +170,7 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                      ALIGNED: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                      X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                     EARLY_WEIGHTS: tl.constexpr = False):
+                     EARLY_WEIGHTS: tl.constexpr = False, SHARE_X: tl.constexpr = False):
     # EARLY_WEIGHTS with the late trigger (USE_PDL 2): the routing was written two kernels back (the kernel before
     # this one let it launch only once that one had finished), so the expert ids and the first weight step are
     # read before the wait for gate_up's activations
@@ -183,7 +189,7 @@ def _down_nf4_kernel(act_ptr, slot_token_ptr, block_expert_ptr, expert_ptr, out_
     y, _ = _nf4_matmul(act_ptr, slots, valid, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                        code_ptr, n, n, n_mask, 0, row_bytes, row_bytes, dtype, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                        DOT_FP32, ALIGNED, NESTED, EXACT_MUL, LOOKUP, False, X_PAIRS=X_PAIRS,
-                       WAIT=USE_PDL if EARLY else 0)
+                       WAIT=USE_PDL if EARLY else 0, SHARE_X=SHARE_X)
     _store_rows(out_ptr, y.to(dtype), slots, valid, n, n_mask, hidden, USE_DOT)
 
 
@@ -228,14 +234,14 @@ def _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim:
     _down_combine_nf4_kernel[(tokens, triton.cdiv(hidden_dim, cfg.down_block_n))](
         act, experts, top_k_weights.contiguous(), out, dn.packed, dn.absmax, dn.nested_code, dn.nested_absmax,
         dn.offset, code, hidden_dim, dn.cols // 2, dn.packed.stride(0), dn.absmax.stride(0), dn.nested_absmax.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
+        TOP_K=top_k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, ALIGNED=dn.aligned, NESTED=dn.nested,
         EXACT_MUL=out.is_cuda and dn.nested, LOOKUP=resolve_lookup(cfg.lookup, act, dn.packed),
         X_PAIRS=pairs_readable(act, cfg.x_pairs),
         **_launch_options(cfg, False, cfg.down_block_n, out.device))
     return out
 
 
-def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot, routing, top_k, **extra):
+def _launch(kernel, grid, inputs, out, w, code, block_n, block_k, rows_args, cfg, use_dot, routing, top_k, **extra):
     slot_token, block_expert, experts = routing
     if slot_token is None:  # pair order: the kernels never read the grouping
         slot_token = block_expert = experts
@@ -243,10 +249,10 @@ def _launch(kernel, grid, inputs, out, w, code, block_n, rows_args, cfg, use_dot
     kernel[grid](
         inputs, slot_token, block_expert, experts, out, w.packed, w.absmax, w.nested_code, w.nested_absmax,
         w.offset, code, *rows_args, w.cols // 2, w.packed.stride(0), w.absmax.stride(0), w.nested_absmax.stride(0),
-        TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
+        TOP_K=top_k, BLOCK_M=BLOCK_M if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_FP32=not out.is_cuda or out.dtype == torch.float32, ALIGNED=w.aligned, NESTED=w.nested,
         EXACT_MUL=out.is_cuda and w.nested, LOOKUP=resolve_lookup(cfg.lookup, inputs, w.packed),
-        X_PAIRS=pairs_readable(inputs, cfg.x_pairs),
+        X_PAIRS=pairs_readable(inputs, cfg.x_pairs), SHARE_X=cfg.shared_x,
         **launch)
 
 
@@ -281,9 +287,12 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
                               num_warps=cfg.num_warps or _default_num_warps(tokens, use_dot),
                               lookup=check_lookup(op, _default(cfg.lookup, FEW_TOKENS_LOOKUP if few else LOOKUP)),
                               x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
-                              combine=PAIR_COMBINE if cfg.combine is None else cfg.combine)
-    if cfg.block_k % 64 or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2):
-        raise InvalidArgumentError(f"{op}: block_k must be a multiple of 64 and block_n >= 16 (2 without tensor "
+                              combine=PAIR_COMBINE if cfg.combine is None else cfg.combine,
+                              shared_x=_default(cfg.shared_x, SHARED_X),
+                              down_block_k=cfg.down_block_k or cfg.block_k)
+    if (cfg.block_k % 64 or cfg.down_block_k % 64
+            or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2)):
+        raise InvalidArgumentError(f"{op}: block_k / down_block_k must be multiples of 64 and block_n >= 16 (2 without tensor "
                                    f"cores), got {cfg}")
     experts = top_k_index.reshape(-1).contiguous()
     if use_dot:
@@ -296,12 +305,13 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     x = hidden.contiguous()
     act = torch.empty(slots, inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
     _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
-            cfg.gate_up_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k)
+            cfg.gate_up_block_n, cfg.block_k, (hidden_dim, inter), cfg, use_dot, routing, top_k)
     if not use_dot and cfg.combine and combine is moe_combine:  # its math, in the down kernel (another combine runs)
         return _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim, top_k, hidden.dtype)
     out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
     _launch(_down_nf4_kernel, (programs, triton.cdiv(hidden_dim, cfg.down_block_n)), act, out, dn, code,
-            cfg.down_block_n, (hidden_dim, inter), cfg, use_dot, routing, top_k, EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT)
+            cfg.down_block_n, cfg.down_block_k, (hidden_dim, inter), cfg, use_dot, routing, top_k,
+            EARLY_WEIGHTS=WEIGHTS_BEFORE_WAIT)
     return combine(out, position, top_k_weights, hidden.dtype)
 
 

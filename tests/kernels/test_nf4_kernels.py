@@ -335,6 +335,40 @@ def test_words_lookup_in_every_launcher_form():
     assert _rel(b, a) < 2e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_words_sharing_x_give_the_same_bits(monkeypatch, dtype):
+    """SHARED_X (two words of the same columns against one x load: gate with up, rows 2i with 2i + 1) changes no
+    bit: the one-row GEMV with rows past N in the last tile and split-K, the grouped q/k/v GEMV, the experts at one
+    token and at three (on the CPU the asm's arithmetic emulated, the row pairing real)."""
+    from moegraph.kernels import nf4_gemv, nf4_moe
+    code = nf4_code(DEVICE)
+    w = _random_nf4(None, 44, 256, False, seed=120)
+    group = [_random_nf4(None, n, 256, True, seed=121 + n) for n in (12, 20)]
+    x = torch.randn(1, 256, generator=_gen(122)).to(DEVICE, dtype)
+    gate_up, down = _random_nf4(4, 64, 128, True, seed=123), _random_nf4(4, 128, 32, False, seed=124)
+    hidden = torch.randn(3, 128, generator=_gen(125)).to(DEVICE, dtype)
+    index = torch.rand(3, 4, generator=_gen(126)).topk(2, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(3, 2, generator=_gen(127)).to(DEVICE, dtype)
+    moe_config = NF4MoEConfig(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=128, lookup=5)
+
+    def outputs():
+        return ([nf4_linear(x, w.packed, w.absmax, code, 44, 256, config=NF4LinearConfig(
+                    use_dot=False, block_k=64, lookup=5, **cfg)) for cfg in (dict(block_n=8), dict(block_n=16,
+                                                                                                split_k=2))]
+                + nf4_linear_group(x, group, code, NF4LinearConfig(block_n=8, lookup=5))
+                + [fused_moe_experts_nf4(hidden[:t], index[:t], weights[:t], gate_up, down, code, moe_combine,
+                                         moe_config) for t in (1, 3)])
+
+    got = {}
+    for shared in (False, True):
+        monkeypatch.setattr(nf4_gemv, "SHARED_X", shared)
+        monkeypatch.setattr(nf4_moe, "SHARED_X", shared)
+        got[shared] = outputs()
+    for alone, paired in zip(got[False], got[True]):
+        assert torch.equal(alone, paired)
+    assert _rel(got[True][0], nf4_linear_ref(x, w.packed, w.absmax, code, 44, 256)) < REL_TOL[dtype] * 10
+
+
 def test_shuffle_lookup_runs_only_where_its_ptx_does(monkeypatch):
     """LOOKUP 4 is PTX: off CUDA and under Triton's interpreter the launch takes LOOKUP 1 (the same values). LOOKUP 5
     runs on CUDA and interpreted (its asm emulated); it needs x on 16 bytes and the weight bytes on 4 (its loads),
@@ -415,7 +449,7 @@ def test_few_tokens_and_one_token_take_their_own_defaults(monkeypatch):
 
     launched = []
     launch = nf4_moe._launch
-    monkeypatch.setattr(nf4_moe, "_launch", lambda *a, **k: launched.append(a[8]) or launch(*a, **k))
+    monkeypatch.setattr(nf4_moe, "_launch", lambda *a, **k: launched.append(a[9]) or launch(*a, **k))
     code = nf4_code(DEVICE)
     gate_up, down = _random_nf4(4, 64, 64, False, seed=80), _random_nf4(4, 64, 32, False, seed=81)
     x = torch.randn(3, 64, generator=_gen(82)).to(DEVICE, torch.bfloat16)
