@@ -242,7 +242,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "attn_short_chunks": lambda: decode_attention.MIN_CHUNK,
                "nf4_one_token_w8": lambda: nf4_moe.ONE_TOKEN_NUM_WARPS,
                "early_weights": lambda: (nf4_moe.WEIGHTS_BEFORE_WAIT, nf4_gemv.WEIGHTS_BEFORE_WAIT),
-               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE}
+               "nf4_wide_steps": lambda: nf4_gemv.WIDE_TILE,
+               "nf4_shared_x": lambda: (nf4_moe.SHARED_X, nf4_gemv.SHARED_X)}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -252,7 +253,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("attn_short_chunks", (decode_attention, "MIN_CHUNK")),
                               ("nf4_one_token_w8", (nf4_moe, "ONE_TOKEN_NUM_WARPS")),
                               ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT")),
-                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE"))):
+                              ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE")), ("nf4_shared_x", (nf4_moe, "SHARED_X")),
+                              ("nf4_shared_x", (nf4_gemv, "SHARED_X"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)
