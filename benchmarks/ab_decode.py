@@ -117,7 +117,15 @@ def _early_weights(on: bool) -> None:
 
 
 def _nf4_shared_x(on: bool) -> None:
-    nf4_moe.SHARED_X = nf4_gemv.SHARED_X = on
+    nf4_moe.SHARED_X = on
+
+
+def _nf4_one_token_k512(on: bool) -> None:
+    nf4_moe.ONE_TOKEN_BLOCK_K = (512, 256) if on else (256, 256)
+
+
+def _nf4_few_16_32(on: bool) -> None:
+    nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
 
 def _pdl_late_trigger(on) -> None:
@@ -134,7 +142,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "fuse_router_norm": (_fuse_router_norm, None, False), "attn_short_chunks": (_attn_short_chunks, True, False),
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
             "nf4_wide_steps": (_nf4_wide_steps, True, True),
-            "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True)}
+            "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
+            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

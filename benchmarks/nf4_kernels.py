@@ -70,9 +70,12 @@ LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are tim
     "w5 bn8 bk2048 w8": L(use_dot=False, block_n=8, block_k=2048, num_warps=8),
     "w5 bn16 bk1024 w8": L(use_dot=False, block_n=16, block_k=1024, num_warps=8),
 }
-C = NF4MoEConfig
+def C(**choices) -> NF4MoEConfig:  # a name without "bk" or "gu" has 256-wide steps at every token count
+    return NF4MoEConfig(**dict(dict(block_k=256), **choices))
+
+
 MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at once), warps
-    "auto": C(),
+    "auto": NF4MoEConfig(),
     "fma 8/16 bk256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, num_warps=4),
     "fma 16/32 bk512 w4": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=512, num_warps=4),
     "fma 8/16 bk512 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=4),

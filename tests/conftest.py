@@ -10,6 +10,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest-xdist workers (the README's `-n 2`) share the machine's cores rather than each taking them all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def _keep_bitsandbytes_cpu_layout():
     """bitsandbytes (>= 0.49) repacks a Linear4bit in place on its first CPU forward where the CPU has AVX512-BF16

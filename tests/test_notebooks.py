@@ -21,6 +21,8 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
+# one pytest-xdist worker runs them all (`--dist loadgroup`): the module fixture below starts every run at once
+pytestmark = pytest.mark.xdist_group("notebooks")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 CELL_TIMEOUT_S = 300

@@ -20,6 +20,7 @@
 #   wide_steps    ~8 min  issue 8: the one-row NF4 GEMVs' 16 x 2048 tiles (q/k/v): decode-step A/B, kernel checks,
 #                           then nf4_final
 #   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
+#   tiles8        ~8 min  issue 8: the new NF4 expert tiles in the decode step, graph == eager, the NF4 bench
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -139,6 +140,15 @@ w5 16/32 bk256 w8 alone"
             --batch-sizes 1,8 --runs 2"
         step 120 gpu_tests_nf4 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
         ;;
+    tiles8)  # issue 8 after the shared_x timings: graph == eager with the new defaults, the three new NF4 expert
+             # choices in the decode step (A/B), the NF4 bench at batch 1 / 8 beside bf16
+        step 150 gpu_tests_tiles8 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
+            tests/kernels/test_pdl.py tests/kernels/test_nf4_kernels.py -k "nf4_cuda or pdl or sharing or words or few"
+        step 200 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_shared_x,nf4_one_token_k512,nf4_few_16_32 --batch-sizes 1,8 --runs 2"
+        step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+            --total-budget-s 130 --out "$out"
+        ;;
     done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
             # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
         stage defaults_tests
@@ -151,7 +161,7 @@ w5 16/32 bk256 w8 alone"
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x done8 nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 done8 nf4_final)" >&2
         exit 2
         ;;
     esac

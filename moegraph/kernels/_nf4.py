@@ -410,7 +410,8 @@ def _nf4_matmul(x_ptr, x_rows, x_mask, w_ptr, absmax_ptr, nested_code_ptr, neste
     first step's weight loads (static: no earlier kernel's output) before waiting, so their latency overlaps the
     previous kernel's tail; the bytes loop waits first.
     SHARE_X (words loop): each thread decodes two words of the same columns against one x load, rows and rows2
-    when TWO, else rows 2i and 2i + 1 of the tile (the same bits: each row's sum is unchanged)."""
+    when TWO (the same bits), else rows 2i and 2i + 1 of the tile: each word's sum is unchanged, but the tile
+    of half the rows may take another layout on the GPU and so another order in the sum over a row's words."""
     WORDS: tl.constexpr = (LOOKUP == 5 and not USE_DOT and not NORM and ALIGNED
                            and x_ptr.dtype.element_ty.primitive_bitwidth == 16)
     if WORDS and SHARE_X and not TWO and BLOCK_N >= 2:

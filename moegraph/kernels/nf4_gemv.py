@@ -63,8 +63,10 @@ WEIGHTS_BEFORE_WAIT = True
 # its own 2K-byte scratch slice and runs the words lookup on it (else the per-nibble lookup 4, which normalizes x
 # slices in registers). Untimed: with it off, Linear4bit models keep the norm apart (ops.FUSE_NORMS)
 NORMED_WORDS = True
-# the words loop decodes rows 2i and 2i + 1 of a tile against one x load (nf4_moe.SHARED_X). Untimed yet
-SHARED_X = True
+# the words loop decodes rows 2i and 2i + 1 of a tile against one x load (nf4_moe.SHARED_X). Off: slower at one
+# row, 2048 -> 4096 5.17 us against 4.91, 2048 -> 512 3.71 against 3.05, 4096 -> 2048 6.52 against 5.68
+# (nf4_kernels.py, graph replay, H100, 2026-12-07)
+SHARED_X = False
 REDUCE_BLOCK = 1024  # outputs per program of the split-K sum
 
 

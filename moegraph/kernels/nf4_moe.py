@@ -43,13 +43,18 @@ ONE_TOKEN_BLOCK_N = (8, 16)
 # one token in 8 warps a program: kernels 18.5 us against 19.0-20.0 with 4 (nf4_kernels.py), the NF4 decode step
 # 2.257 against 2.336 ms at batch 1 (ab_decode.py nf4_one_token_w8, 48 layers; H100, 2026-12-07)
 ONE_TOKEN_NUM_WARPS = 8
-FEW_TOKENS_BLOCK_N = (8, 16)
+# 2-15 tokens with SHARED_X: 16 / 32 rows 83.0 us at 8 tokens against 91.6 for 8 / 16 (nf4_kernels.py, H100,
+# 2026-12-07; without SHARED_X 16 / 32 was the slower, 98.9 against 94.3)
+FEW_TOKENS_BLOCK_N = (16, 32)
 FEW_TOKENS_NUM_WARPS = 8
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
 # INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same;
 # None: the GPU's tiles everywhere, as tools/sass_report.py compiles them from CPU launches)
 INTERPRETER_BLOCK_N = 32
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
+# one token: gate_up's 2048-long rows in 512-wide steps, down's 768-long ones in 256 (a 512 step would be half
+# masked): 17.31 us against 18.06 for 256 / 256 (nf4_kernels.py, graph replay, H100, 2026-12-07)
+ONE_TOKEN_BLOCK_K = (512, 256)
 DOT_MIN_TOKENS = 16  # multiply-add per (token, expert) pair below: batch 1 40.6 us (dot 77.6), batch 8 183 (dot 179)
 NUM_WARPS = 4  # multiply-add path: 4 warps beat 8 (45 against 60 us at batch 1); tensor cores: 16 rows a warp
 # Code table: LOOKUP 5 (CUDA, 16-bit x, whole 64-blocks: a 32-bit word of 8 weights at a time, their code values by
@@ -72,7 +77,8 @@ PAIR_COMBINE = False
 # batch 8, same tokens (H100, 48 layers, ab_decode.py early_weights, 2026-12-07)
 WEIGHTS_BEFORE_WAIT = True
 # words loop: each thread decodes two words of the same columns (gate and up; in down rows 2i and 2i + 1) against one
-# x load and unpacking (_nf4_matmul SHARE_X; the same bits). Untimed yet
+# x load and its unpacking (_nf4_matmul SHARE_X). One token 18.06 us against 18.46, 8 tokens 91.6 against 94.3
+# (nf4_kernels.py, graph replay, H100, 2026-12-07)
 SHARED_X = True
 
 
@@ -83,7 +89,7 @@ class NF4MoEConfig:
     # None: ONE_TOKEN_BLOCK_N for one token, FEW_TOKENS_BLOCK_N for 2-15, else GATE_UP_BLOCK_N / DOWN_BLOCK_N
     gate_up_block_n: Optional[int] = None
     down_block_n: Optional[int] = None
-    block_k: int = BLOCK_K
+    block_k: Optional[int] = None  # None: ONE_TOKEN_BLOCK_K[0] at one token, else BLOCK_K
     use_dot: Optional[bool] = None
     # None: ONE_TOKEN_NUM_WARPS (FEW_TOKENS_NUM_WARPS for 2-15 tokens), or one warp per 16 rows on tensor cores
     num_warps: Optional[int] = None
@@ -94,7 +100,7 @@ class NF4MoEConfig:
     x_pairs: Optional[bool] = None  # multiply-add path, 16-bit x: x read as pairs in the weight tile's layout
     combine: Optional[bool] = None  # multiply-add path: the down GEMVs and moe_combine in one launch
     shared_x: Optional[bool] = None  # words loop: two words of the same columns a thread (None: SHARED_X)
-    down_block_k: Optional[int] = None  # None: block_k (the down rows are I = 768 long, gate_up's H = 2048)
+    down_block_k: Optional[int] = None  # None: block_k where given, else ONE_TOKEN_BLOCK_K[1] / BLOCK_K
 
 
 @triton.jit
@@ -280,6 +286,8 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     use_dot = _uses_dot(tokens, cfg)
     few = not use_dot and tokens > 1
     block_n = _default_block_n(tokens, use_dot)
+    # (under Triton's interpreter one width: its tiny test shapes would mostly mask the wide steps)
+    block_k = ONE_TOKEN_BLOCK_K if tokens == 1 and not use_dot and hidden.is_cuda else (BLOCK_K, BLOCK_K)
     if INTERPRETER_BLOCK_N and not use_dot and hidden.device.type != "cuda":
         block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
@@ -289,11 +297,12 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
                               x_pairs=_default(cfg.x_pairs, FEW_TOKENS_X_PAIRS if few else X_PAIRS),
                               combine=PAIR_COMBINE if cfg.combine is None else cfg.combine,
                               shared_x=_default(cfg.shared_x, SHARED_X),
-                              down_block_k=cfg.down_block_k or cfg.block_k)
+                              block_k=cfg.block_k or block_k[0],
+                              down_block_k=cfg.down_block_k or cfg.block_k or block_k[1])
     if (cfg.block_k % 64 or cfg.down_block_k % 64
             or min(cfg.gate_up_block_n, cfg.down_block_n) < (16 if use_dot else 2)):
-        raise InvalidArgumentError(f"{op}: block_k / down_block_k must be multiples of 64 and block_n >= 16 (2 without tensor "
-                                   f"cores), got {cfg}")
+        raise InvalidArgumentError(f"{op}: block_k and down_block_k must be multiples of 64 and block_n >= 16 (2 "
+                                   f"without tensor cores), got {cfg}")
     experts = top_k_index.reshape(-1).contiguous()
     if use_dot:
         position, slot_token, block_expert = align_blocks(top_k_index, num_experts)

@@ -336,10 +336,11 @@ def test_words_lookup_in_every_launcher_form():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_words_sharing_x_give_the_same_bits(monkeypatch, dtype):
-    """SHARED_X (two words of the same columns against one x load: gate with up, rows 2i with 2i + 1) changes no
-    bit: the one-row GEMV with rows past N in the last tile and split-K, the grouped q/k/v GEMV, the experts at one
-    token and at three (on the CPU the asm's arithmetic emulated, the row pairing real)."""
+def test_words_sharing_x_give_the_same_values(monkeypatch, dtype):
+    """SHARED_X (two words of the same columns against one x load: gate with up, rows 2i with 2i + 1): the one-row
+    GEMV with rows past N in the last tile and split-K, the grouped q/k/v GEMV, the experts at one token and at
+    three. Interpreted (the asm's arithmetic emulated, the row pairing real) the same bits; on a GPU a tile of half
+    the rows may sum a row's words in another order: float32 summation error, and a rare flip of a rounding."""
     from moegraph.kernels import nf4_gemv, nf4_moe
     code = nf4_code(DEVICE)
     w = _random_nf4(None, 44, 256, False, seed=120)
@@ -365,7 +366,7 @@ def test_words_sharing_x_give_the_same_bits(monkeypatch, dtype):
         monkeypatch.setattr(nf4_moe, "SHARED_X", shared)
         got[shared] = outputs()
     for alone, paired in zip(got[False], got[True]):
-        assert torch.equal(alone, paired)
+        assert torch.equal(alone, paired) if DEVICE == "cpu" else _rel(paired, alone) < REL_TOL[dtype]
     assert _rel(got[True][0], nf4_linear_ref(x, w.packed, w.absmax, code, 44, 256)) < REL_TOL[dtype] * 10
 
 
