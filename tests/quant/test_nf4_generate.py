@@ -23,12 +23,18 @@ def test_op_table_keys_on_the_weight_formats(model):
     assert dense.formats.experts == "dense" and dense is not ops
 
 
+@pytest.fixture(scope="module")
+def two_layer_model():
+    return build_model("tiny", seed=5, quant="nf4", num_layers=2)  # each interpreted layer costs seconds
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
-def test_patched_nf4_model_gives_the_unpatched_nf4_tokens(model, backend):
+def test_patched_nf4_model_gives_the_unpatched_nf4_tokens(two_layer_model, backend):
     from moegraph.kernels import triton_available
 
     if backend == "triton" and not triton_available(torch.empty(0)):
         pytest.skip("Triton's interpreter is not on for CPU tensors here (a CUDA machine)")
+    model = two_layer_model
     inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=6)
     want = model.generate(**inputs, max_new_tokens=3, do_sample=False)  # NF4Experts' own torch forward
     moegraph.patch(model, moe_backend=backend)
