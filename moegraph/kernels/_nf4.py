@@ -108,8 +108,10 @@ _X_LOAD = {
 def _word_dot_asm(x_type: str, words: int) -> str:
     """PTX dotting `words` 32-bit words of 8 weights ($words .. $2words-1) with the same 8 x values into $0 ..
     $words-1; then the lane's table value (LOOKUP 4) and x's address. Each sum is c0 x0 + ... + c7 x7 in order
-    (one mul, seven fma), so a word's sum has the same bits alone or beside another: words of rows that share
-    columns (gate and up) share one x load and its unpacking (8 instructions of ~32 a word)."""
+    (one mul, seven fma), so a word's sum has the same bits alone or beside another: two words of rows that
+    share columns share one x load and its unpacking (8 instructions of ~32 a word). Where the two words already
+    sat in one thread (gate and up) ptxas had merged the two loads of one address itself (the same SASS, sm_90);
+    the gain is where it puts two rows in a thread that had one (_nf4_matmul's SHARE_X without TWO)."""
     regs, load = _X_LOAD[x_type]
     table, address = f"${2 * words}", f"${2 * words + 1}"
     lines = [load.replace("ADDRESS", address)]
