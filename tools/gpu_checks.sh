@@ -140,14 +140,14 @@ w5 16/32 bk256 w8 alone"
             --batch-sizes 1,8 --runs 2"
         step 120 gpu_tests_nf4 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
         ;;
-    tiles8)  # issue 8 after the shared_x timings: graph == eager with the new defaults, the three new NF4 expert
-             # choices in the decode step (A/B), the NF4 bench at batch 1 / 8 beside bf16
-        step 150 gpu_tests_tiles8 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
-            tests/kernels/test_pdl.py tests/kernels/test_nf4_kernels.py -k "nf4_cuda or pdl or sharing or words or few"
-        step 200 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            nf4_shared_x,nf4_one_token_k512,nf4_few_16_32 --batch-sizes 1,8 --runs 2"
+    tiles8)  # issue 8 after the shared_x timings, most wanted first: the NF4 bench at batch 1 / 8 beside bf16 with
+             # the new defaults, graph == eager, then the three new NF4 expert choices in the decode step (A/B)
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
+        step 120 gpu_tests_tiles8 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py \
+            tests/kernels/test_nf4_kernels.py -k "nf4_cuda or sharing or few"
+        step 200 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_shared_x,nf4_one_token_k512,nf4_few_16_32 --batch-sizes 1,8 --runs 2"
         ;;
     done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
             # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
