@@ -149,6 +149,13 @@ w5 16/32 bk256 w8 alone"
         step 200 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
             nf4_shared_x,nf4_one_token_k512,nf4_few_16_32 --batch-sizes 1,8 --runs 2"
         ;;
+    tiles8_short)  # tiles8 in ~5.5 minutes: the bench, graph == eager, one A/B row at batch 1
+        step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
+            --total-budget-s 130 --out "$out"
+        step 90 gpu_tests_tiles8 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
+        step 90 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_one_token_k512+nf4_shared_x --batch-sizes 1 --runs 2"
+        ;;
     done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
             # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
         stage defaults_tests
@@ -161,7 +168,7 @@ w5 16/32 bk256 w8 alone"
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 done8 nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 nf4_final)" >&2
         exit 2
         ;;
     esac
