@@ -154,7 +154,7 @@ w5 16/32 bk256 w8 alone"
             --total-budget-s 130 --out "$out"
         step 90 gpu_tests_tiles8 python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py
         step 90 ab_tiles8 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            nf4_one_token_k512+nf4_shared_x --batch-sizes 1 --runs 2"
+            nf4_one_token_k512 --batch-sizes 1 --runs 2"
         ;;
     done8)  # issue 8's "Done when" in one call (on an H200 where one is lent): graph == eager with the defaults,
             # the NF4 bench beside bf16 at batch 1 / 8 / 32 / 64, memory after loading and peak
