@@ -298,14 +298,16 @@ def test_words_lookup_against_the_reference(dtype, nested):
         use_dot=False, block_n=8, block_k=128, lookup=5), **_linear_args(w))
     assert _rel(got, nf4_linear_ref(x, w.packed, w.absmax, code, 40, 192, **_linear_args(w))) < tol
     gate_up, down = _random_nf4(4, 64, 128, nested, seed=92), _random_nf4(4, 128, 32, nested, seed=93)
-    for tokens in (1, 3):
+    # gate_up's steps wider than down's (ONE_TOKEN_BLOCK_K's form), here wider than the row too
+    for tokens, block_k, down_block_k in ((1, 128, None), (3, 128, None), (1, 256, 64)):
         x = torch.randn(tokens, 128, generator=_gen(94)).to(DEVICE, dtype)
         index = torch.rand(tokens, 4, generator=_gen(95)).topk(2, dim=-1).indices.to(DEVICE)
         weights = torch.rand(tokens, 2, generator=_gen(96)).to(DEVICE, dtype)
-        config = NF4MoEConfig(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=128, lookup=5)
+        config = NF4MoEConfig(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=block_k,
+                              down_block_k=down_block_k, lookup=5)
         got = fused_moe_experts_nf4(x, index, weights, gate_up, down, code, moe_combine, config)
         want = fused_moe_experts_nf4_ref(x, index, weights, gate_up, down, code, config=config)
-        assert _rel(got, want) < tol
+        assert _rel(got, want) < tol, (tokens, block_k, down_block_k)
 
 
 def test_words_lookup_in_every_launcher_form():
