@@ -48,8 +48,9 @@ ONE_TOKEN_NUM_WARPS = 8
 FEW_TOKENS_BLOCK_N = (16, 32)
 FEW_TOKENS_NUM_WARPS = 8
 # Under Triton's interpreter (the CPU tests) each program is a Python loop: on the multiply-add path one tile of
-# INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same;
-# None: the GPU's tiles everywhere, as tools/sass_report.py compiles them from CPU launches)
+# INTERPRETER_BLOCK_N rows per pair, for the same per-row sums as the GPU's thin tiles (fused_moe.py does the same),
+# in BLOCK_K-wide steps at every token count; None: the GPU's tiles and steps everywhere, as tools/sass_report.py
+# compiles them from CPU launches
 INTERPRETER_BLOCK_N = 32
 BLOCK_K = 256  # 128 bytes of each weight row per step (the next step's in flight); 128 is 10-15% slower
 # one token: gate_up's 2048-long rows in 512-wide steps, down's 768-long ones in 256 (a 512 step would be half
@@ -286,10 +287,10 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     use_dot = _uses_dot(tokens, cfg)
     few = not use_dot and tokens > 1
     block_n = _default_block_n(tokens, use_dot)
-    # (under Triton's interpreter one width: its tiny test shapes would mostly mask the wide steps)
-    block_k = ONE_TOKEN_BLOCK_K if tokens == 1 and not use_dot and hidden.is_cuda else (BLOCK_K, BLOCK_K)
+    block_k = ONE_TOKEN_BLOCK_K if tokens == 1 and not use_dot else (BLOCK_K, BLOCK_K)
     if INTERPRETER_BLOCK_N and not use_dot and hidden.device.type != "cuda":
         block_n = (INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_N)
+        block_k = (BLOCK_K, BLOCK_K)  # one width: the tests' tiny rows would mostly mask wide steps
     cfg = dataclasses.replace(cfg, gate_up_block_n=cfg.gate_up_block_n or block_n[0],
                               down_block_n=cfg.down_block_n or block_n[1],
                               num_warps=cfg.num_warps or _default_num_warps(tokens, use_dot),
