@@ -56,7 +56,7 @@ LINEAR_CONFIGS = {  # "auto": the launcher's choice; use_dot=False forms are tim
     "auto lookup4": L(lookup=4),
     "auto lookup4 pairs": L(lookup=4, x_pairs=True),
     "auto lookup5": L(lookup=5),  # a 32-bit word of weights a time
-    "auto alone": L(shared_x=False),  # one word a thread against each x load (before SHARED_X)
+    "auto shared": L(shared_x=True),  # rows 2i and 2i + 1 a thread against one x load (slower: SHARED_X off)
     # the words lookup (the default since 2026-12-06) in other tiles, and the shared-memory table it replaced
     "auto lookup1": L(lookup=1),
     "w5 bn8 bk1024 w4": L(use_dot=False, block_n=8, block_k=1024, num_warps=4),

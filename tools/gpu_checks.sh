@@ -133,7 +133,7 @@ w5 8/16 bk512 w4,w5 16/32 bk512 w4,w5 4/8 bk512 w2,w5 16/32 bk256 w8,w5 32/64 bk
                # same bits): the bit checks on CUDA, kernel times, the decode-step A/B, graph == eager
         step 120 gpu_tests_shared_x python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_pdl.py \
             tests/kernels/test_nf4_kernels.py -k "pdl or sharing_x or words"
-        step 150 nf4_kernels_shared_x python3 benchmarks/nf4_kernels.py --rows 1,8 --configs "auto alone,w5 8/16 \
+        step 150 nf4_kernels_shared_x python3 benchmarks/nf4_kernels.py --rows 1,8 --configs "auto shared,w5 8/16 \
 bk256 w8,w5 8/16 bk256 w8 alone,w5 8/16 gu512 dn256 w8,w5 8/16 gu512 dn256 w4,w5 8/32 bk256 w8,w5 16/32 bk256 w8,\
 w5 16/32 bk256 w8 alone"
         step 170 ab_shared_x bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches nf4_shared_x \
