@@ -119,6 +119,8 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 8/16 gu512 dn256 w4": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, down_block_k=256,
                                 num_warps=4),
     "w5 8/32 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=32, num_warps=8),
+    "w5 8/32 gu512 dn256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=32, block_k=512, down_block_k=256,
+                                num_warps=8),
     "w5 16/32 bk256 w8 alone": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=8, shared_x=False),
     # wider steps, more of each thread's bytes in flight: slower at 1 and 8 tokens (H100, 2026-12-07)
     "w5 8/16 bk512 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8),
