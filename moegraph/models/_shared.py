@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from ..kernels import l2_prefetch
-
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
 
@@ -91,6 +89,8 @@ class _ProjectionPrefetch:
     def __init__(self, layers, ops, rows: int):
         self.layers, self.plan = layers, ops.l2_prefetch if rows <= PREFETCH_MAX_ROWS else ""
         if self.plan:
+            from ..kernels import l2_prefetch
+
             self.device = ops.device
             self.stream = l2_prefetch.side_stream(ops.device)
 
@@ -106,6 +106,8 @@ class _ProjectionPrefetch:
 
     def join(self) -> None:
         if self.plan:
+            from ..kernels import l2_prefetch
+
             l2_prefetch.join(self.stream, self.device)
 
     def _qkv(self, layer_idx: int) -> list:
@@ -115,6 +117,8 @@ class _ProjectionPrefetch:
         return [t for m in (attn.q_proj, attn.k_proj, attn.v_proj) for t in _linear4bit_tensors(m)]
 
     def _hint(self, tensors: list) -> None:
+        from ..kernels import l2_prefetch
+
         l2_prefetch.prefetch_l2(tensors, self.stream)
 
 
