@@ -35,8 +35,6 @@ Switches (each a module-level choice that a new patch's captures read):
   trigger, its routing too); NF4 rows only;
 - l2_prefetch_o / l2_prefetch_both / l2_prefetch_split: the 4-bit projections' bytes hinted into L2 from a side
   stream ahead of their GEMVs (ops.PREFETCH_L2 "o", "o+qkv", "o,qkv"); NF4 rows only; the same bits;
-- nf4_prefetch_down: each NF4 gate_up program hints its share of its expert's down weights into L2
-  (nf4_moe.PREFETCH_DOWN); NF4 rows only; the same bits;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -132,10 +130,6 @@ def _nf4_few_16_32(on: bool) -> None:
     nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
 
-def _nf4_prefetch_down(on: bool) -> None:
-    nf4_moe.PREFETCH_DOWN = on
-
-
 def _l2_prefetch(plan: str):
     def switch(on: bool) -> None:
         ops.PREFETCH_L2 = plan if on else None
@@ -159,8 +153,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
             "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True),
             "l2_prefetch_o": (_l2_prefetch("o"), False, True), "l2_prefetch_both": (_l2_prefetch("o+qkv"), False, True),
-            "l2_prefetch_split": (_l2_prefetch("o,qkv"), False, True),
-            "nf4_prefetch_down": (_nf4_prefetch_down, False, True)}
+            "l2_prefetch_split": (_l2_prefetch("o,qkv"), False, True)}
 
 
 def _set_all(names, on: bool) -> None:

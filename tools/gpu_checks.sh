@@ -167,7 +167,7 @@ w5 16/32 bk256 w8 alone"
                # then the three plans in the NF4 decode step (A/B)
         step 150 gpu_tests_prefetch python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py -k prefetch
         step 320 ab_prefetch bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            l2_prefetch_o,l2_prefetch_both,l2_prefetch_split,nf4_prefetch_down --batch-sizes 1,8 --runs 2"
+            l2_prefetch_o,l2_prefetch_both,l2_prefetch_split --batch-sizes 1,8 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests

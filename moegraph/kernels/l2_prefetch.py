@@ -73,16 +73,3 @@ def prefetch_l2(tensors: list[torch.Tensor], stream: torch.cuda.Stream, evict_la
 def join(stream: torch.cuda.Stream, device: torch.device) -> None:
     """Make the current stream wait for what `stream` was given (before a capture ends, or the step's outputs)."""
     torch.cuda.current_stream(device).wait_stream(stream)
-
-
-@triton.jit
-def hint_l2_share(base, nbytes, part, parts, HINTS: tl.constexpr):
-    """Inside a kernel: hint this program's share (`part` of `parts`, 32-byte aligned) of the `nbytes` bytes at
-    `base` (a byte pointer) into L2, HINTS lanes 32 bytes apart a step. CUDA only (inline PTX)."""
-    share = tl.cdiv(tl.cdiv(nbytes, parts), 32) * 32
-    lo = part * share
-    for start in range(lo, tl.minimum(lo + share, nbytes), HINTS * 32):
-        offsets = start + tl.arange(0, HINTS) * 32
-        offsets = tl.where(offsets < nbytes, offsets, lo)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + offsets],
-                                  dtype=tl.int32, is_pure=False, pack=1)

@@ -28,7 +28,6 @@ from ._nf4 import (NF4_CODE, NF4Tensors, _nf4_matmul, check_compute_dtype, check
                    check_lookup, nf4_code, pairs_readable, resolve_lookup)
 from ._triton import pdl, pdl_wait, tl, triton
 from .fused_moe import BLOCK_M, align_blocks
-from .l2_prefetch import hint_l2_share
 from .moe_combine import moe_combine
 
 __all__ = ["NF4_CODE", "NF4MoEConfig", "NF4Tensors", "dequantize_nf4_ref", "fused_moe_experts_nf4",
@@ -82,9 +81,6 @@ WEIGHTS_BEFORE_WAIT = True
 # x load and its unpacking (_nf4_matmul SHARE_X). One token 18.06 us against 18.46, 8 tokens 91.6 against 94.3
 # (nf4_kernels.py, graph replay, H100, 2026-12-07)
 SHARED_X = True
-# multiply-add path on CUDA: each gate_up program hints its share of its expert's down codes and absmax into L2, so
-# the down kernel after it reads them from there (kernels/l2_prefetch.py). Untimed: ab_decode.py nf4_prefetch_down
-PREFETCH_DOWN = False
 
 
 @dataclass(frozen=True)
@@ -153,19 +149,12 @@ def _gate_up_silu_nf4_kernel(x_ptr, slot_token_ptr, block_expert_ptr, expert_ptr
                              USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                              NESTED: tl.constexpr, EXACT_MUL: tl.constexpr, LOOKUP: tl.constexpr,
                              X_PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                             SHARE_X: tl.constexpr = False, down_w_ptr=None, down_absmax_ptr=None,
-                             down_expert_bytes=0, down_absmax_bytes=0, PREFETCH_DOWN: tl.constexpr = False):
+                             SHARE_X: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     expert, slots, tokens, valid = _moe_program(slot_token_ptr, block_expert_ptr, expert_ptr, TOP_K,
                                                 BLOCK_M, USE_DOT)
     if expert < 0:
         return
-    if PREFETCH_DOWN:  # this program's share of its expert's down weights, for the kernel after this one
-        e = expert.to(tl.int64)
-        part, parts = tl.program_id(1), tl.num_programs(1)
-        hint_l2_share(down_w_ptr + e * down_expert_bytes, down_expert_bytes, part, parts, 256)
-        hint_l2_share(down_absmax_ptr.to(tl.pointer_type(tl.uint8)) + e * down_absmax_bytes, down_absmax_bytes, part,
-                      parts, 256)
     w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr = _expert_weights(
         expert, w_ptr, absmax_ptr, nested_absmax_ptr, offset_ptr, stride_we, blocks_per_expert, nested_per_expert)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -325,12 +314,8 @@ def fused_moe_experts_nf4(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     routing = (slot_token, block_expert, experts)
     x = hidden.contiguous()
     act = torch.empty(slots, inter, dtype=hidden.dtype, device=hidden.device)  # [slots, I]
-    hint_down = {}
-    if PREFETCH_DOWN and not use_dot and hidden.is_cuda:
-        hint_down = dict(down_w_ptr=dn.packed, down_absmax_ptr=dn.absmax, down_expert_bytes=dn.packed.stride(0),
-                         down_absmax_bytes=dn.absmax.stride(0) * dn.absmax.element_size(), PREFETCH_DOWN=True)
     _launch(_gate_up_silu_nf4_kernel, (programs, triton.cdiv(inter, cfg.gate_up_block_n)), x, act, gu, code,
-            cfg.gate_up_block_n, cfg.block_k, (hidden_dim, inter), cfg, use_dot, routing, top_k, **hint_down)
+            cfg.gate_up_block_n, cfg.block_k, (hidden_dim, inter), cfg, use_dot, routing, top_k)
     if not use_dot and cfg.combine and combine is moe_combine:  # its math, in the down kernel (another combine runs)
         return _launch_down_combine(act, experts, top_k_weights, dn, code, cfg, hidden_dim, top_k, hidden.dtype)
     out = torch.empty(slots, hidden_dim, dtype=hidden.dtype, device=hidden.device)  # [slots, H]
