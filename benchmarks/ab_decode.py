@@ -33,8 +33,6 @@ Switches (each a module-level choice that a new patch's captures read):
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step
   before waiting for the kernel before them (the GEMVs always; the one-to-15-token down kernel with the late
   trigger, its routing too); NF4 rows only;
-- l2_prefetch_o / l2_prefetch_both / l2_prefetch_split: the 4-bit projections' bytes hinted into L2 from a side
-  stream ahead of their GEMVs (ops.PREFETCH_L2 "o", "o+qkv", "o,qkv"); NF4 rows only; the same bits;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -130,12 +128,6 @@ def _nf4_few_16_32(on: bool) -> None:
     nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
 
-def _l2_prefetch(plan: str):
-    def switch(on: bool) -> None:
-        ops.PREFETCH_L2 = plan if on else None
-    return switch
-
-
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -151,9 +143,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
             "nf4_wide_steps": (_nf4_wide_steps, True, True),
             "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
-            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True),
-            "l2_prefetch_o": (_l2_prefetch("o"), False, True), "l2_prefetch_both": (_l2_prefetch("o+qkv"), False, True),
-            "l2_prefetch_split": (_l2_prefetch("o,qkv"), False, True)}
+            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -43,12 +43,6 @@ FUSE_NORMS = None
 # The router's norm alone: None as the one before attention; True / False forces it (untimed with 4-bit
 # projections, where the router's GEMV is the dense one: ab_decode.py fuse_router_norm).
 FUSE_ROUTER_NORM = None
-# 4-bit projections' bytes hinted into L2 from a side stream before their GEMVs (kernels/l2_prefetch.py), at decode
-# batch sizes: None / "" off; "o": o_proj's when q/k/v are launched (it runs after attention); "o+qkv": o_proj's and
-# the next layer's q/k/v's there; "o,qkv": o_proj's there and the next layer's q/k/v's once the router's logits
-# are launched (they run after the experts). Untimed: ab_decode.py l2_prefetch_* decides the default.
-PREFETCH_L2 = None
-PREFETCH_PLANS = ("", "o", "o+qkv", "o,qkv")
 
 
 @dataclass(frozen=True)
@@ -83,7 +77,6 @@ class OpTable:
     # router_logits(hidden, weight))
     add_norm_router: Callable
     reasons: tuple[tuple[str, str, str], ...]  # (op, choice, why)
-    l2_prefetch: str = ""  # PREFETCH_L2's plan for the 4-bit projections ("" none)
 
     @property
     def pdl_early_trigger(self) -> bool:
@@ -335,11 +328,10 @@ def _choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
 @functools.lru_cache(maxsize=None)
 def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightFormats(), moe_backend: str = "auto",
                 head_dim: int = 128, kernels: str = "auto", fuse_norms: bool = True,
-                fuse_router_norm: bool | None = None, l2_prefetch: str | None = None) -> OpTable:
+                fuse_router_norm: bool | None = None) -> OpTable:
     """The op table for one key; cached, so every caller with the same key shares one decision.
     fuse_norms=False keeps the norms before attention and the router in their own launches (benchmarks);
-    fuse_router_norm, where not None, decides the router's apart; l2_prefetch: PREFETCH_L2's plans (4-bit
-    projections on CUDA only)."""
+    fuse_router_norm, where not None, decides the router's apart."""
     device = normalize_device(device)
     small_ops, kernel_name, kernel_why = _choose_kernels(device, dtype, head_dim, kernels)
     backend = describe_moe_backend(device, dtype, moe_backend, formats.experts)
@@ -384,15 +376,7 @@ def resolve_ops(device, dtype: torch.dtype, formats: WeightFormats = WeightForma
         ("compiled", "grouped_mm", COMPILED_REASON),
         ("projections", linear_name, linear_why),
     )
-    if (l2_prefetch or "") not in PREFETCH_PLANS:
-        raise InvalidArgumentError(f"l2_prefetch={l2_prefetch!r} is not one of None, " + ", ".join(
-            repr(p) for p in PREFETCH_PLANS if p))
-    prefetch = l2_prefetch or ""
-    if prefetch and formats.projections == LINEAR4BIT and linear_name == "triton" and device.type == "cuda":
-        reasons += (("prefetch", "l2", f"4-bit projections hinted into L2 ahead of their GEMVs ({prefetch})"),)
-    else:
-        prefetch = ""
-    return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name, l2_prefetch=prefetch,
+    return OpTable(device=device, dtype=dtype, formats=formats, moe_backend=backend.name,
                    capture_safe=backend.capture_safe and device.type == "cuda",
                    experts=expert_function(backend.name, formats.experts), linear=linear, qkv=qkv,
                    add_norm_qkv=add_norm_qkv, add_norm_router=add_norm_router, reasons=reasons,
@@ -453,10 +437,10 @@ def ops_for_model(model: nn.Module, moe_backend: str = "auto", kernels: str = "a
     if experts is None:
         formats = WeightFormats(DENSE, projections)
         return resolve_ops(model.device, model.dtype, formats, moe_backend, head_dim, kernels, fuse_norms,
-                           FUSE_ROUTER_NORM, PREFETCH_L2)
+                           FUSE_ROUTER_NORM)
     formats = WeightFormats(experts_format(experts), projections)
     return resolve_ops(experts_device(experts), experts_dtype(experts), formats, moe_backend, head_dim, kernels,
-                       fuse_norms, FUSE_ROUTER_NORM, PREFETCH_L2)
+                       fuse_norms, FUSE_ROUTER_NORM)
 
 
 # experts module -> {(moe_backend, device, dtype): its table}: what the registered experts functions read per call

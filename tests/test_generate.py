@@ -239,20 +239,6 @@ def test_the_routers_norm_is_decided_apart_where_asked(fuse_norms, fuse_router_n
     assert ("router inside its GEMV" in why) == (fuse_norms if fuse_router_norm is None else fuse_router_norm)
 
 
-def test_l2_prefetch_plans_apply_to_4bit_projections_on_cuda_only():
-    """resolve_ops' l2_prefetch (ops.PREFETCH_L2): a plan only where Linear4bit projections run moegraph's NF4 GEMV on
-    CUDA (nothing to hint elsewhere); an unknown plan is refused, naming the known ones."""
-    from moegraph import ops
-    from moegraph.errors import InvalidArgumentError
-
-    four_bit = ops.WeightFormats(ops.NF4, ops.LINEAR4BIT)
-    for formats in (four_bit, ops.WeightFormats()):
-        table = ops.resolve_ops(torch.device("cpu"), torch.float32, formats, kernels="triton", l2_prefetch="o,qkv")
-        assert table.l2_prefetch == "" and "prefetch" not in dict((op, r) for op, _, r in table.reasons)
-    with pytest.raises(InvalidArgumentError, match="'o', 'o\\+qkv', 'o,qkv'"):
-        ops.resolve_ops(torch.device("cpu"), torch.float32, four_bit, kernels="triton", l2_prefetch="qkv")
-
-
 def test_projections_on_tensor_cores_from_5_rows(monkeypatch):
     """gemv.DOT_MAX_ROWS = 16 (off by default until timed): at 5-16 rows q/k/v (with its norm), o_proj and a small
     lm_head run through the GEMV's tensor-core form instead of torch's linear; transformers' tokens either way."""

@@ -109,22 +109,3 @@ def test_float32_compute_projections_decode_as_16_bit_compute_at_one_row(model):
     assert all(torch.equal(fp32_rows[m], bf16_rows[m]) for m in projections)
     assert all(torch.equal(a, b) for a, b in zip(fp32_qkv, bf16_qkv))
     assert torch.equal(fp32_out.sequences, bf16_out.sequences)
-
-
-@pytest.mark.parametrize("plan", ["o", "o+qkv", "o,qkv"])
-def test_l2_prefetch_changes_no_bits(model, plan, monkeypatch):
-    """The projections' L2 hints (ops.PREFETCH_L2) run from a side stream that the step joins back: graph replay
-    equals the eager loop bit for bit, and both equal the step without hints."""
-    from moegraph import ops
-
-    inputs = random_prompts(5, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=3, device="cuda")
-    plain, _ = _generate(model, inputs, max_batch_size=8)
-    monkeypatch.setattr(ops, "PREFETCH_L2", plan)
-    assert ops.ops_for_model(model).l2_prefetch == plan
-    graph_out, graph_stats = _generate(model, inputs, max_batch_size=8)
-    eager_out, _ = _generate(model, inputs, max_batch_size=8, cuda_graphs=False)
-    assert graph_stats.graphs
-    for out in (graph_out, eager_out):
-        assert torch.equal(out.sequences, plain.sequences)
-        for a, b in zip(out.logits, plain.logits):
-            assert torch.equal(a, b)

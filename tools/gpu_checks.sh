@@ -21,7 +21,6 @@
 #                           then nf4_final
 #   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
 #   tiles8        ~8 min  issue 8: the new NF4 expert tiles in the decode step, graph == eager, the NF4 bench
-#   prefetch      ~8 min  issue 8: the 4-bit projections hinted into L2 ahead of their GEMVs: the same bits, A/B
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -163,19 +162,13 @@ w5 16/32 bk256 w8 alone"
         step 240 bench_nf4_done8 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8,32,64 \
             --runs 2 --total-budget-s 220 --out "$out"
         ;;
-    prefetch)  # issue 8: the 4-bit projections hinted into L2 from a side stream (ops.PREFETCH_L2): the same bits,
-               # then the three plans in the NF4 decode step (A/B)
-        step 150 gpu_tests_prefetch python3 -m pytest -q -p no:cacheprovider -rf tests/test_nf4_cuda.py -k prefetch
-        step 320 ab_prefetch bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            l2_prefetch_o,l2_prefetch_both,l2_prefetch_split --batch-sizes 1,8 --runs 2"
-        ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 prefetch nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 nf4_final)" >&2
         exit 2
         ;;
     esac

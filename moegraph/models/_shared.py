@@ -6,7 +6,6 @@ A family's module supplies what differs (its attention's q/k treatment, its MoE 
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -64,71 +63,15 @@ def softmax_topk_experts(block: nn.Module, hidden: torch.Tensor, ops, router_log
 
 
 def _norm_mlp(add_norm: AddNorm, router_weight: RouterWeight | None, mlp: Mlp, norm: nn.Module, module: nn.Module,
-              residual: torch.Tensor, x: torch.Tensor, ops,
-              before_mlp: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, torch.Tensor]:
+              residual: torch.Tensor, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm before the MLP and the MLP: (residual + x, mlp output). With the standard add + RMSNorm and a
-    linear router, ops.add_norm_router computes the norm and the router logits together. before_mlp runs between
-    the norm's launch and the MLP's."""
+    linear router, ops.add_norm_router computes the norm and the router logits together."""
     weight = router_weight(module) if router_weight is not None and add_norm is add_rms_norm else None
     if weight is None:
         residual, hidden = add_norm(norm, residual, x, ops)
-        before_mlp()
         return residual, mlp(module, hidden, ops)
     residual, hidden, router_logits = ops.add_norm_router(norm, residual, x, weight)
-    before_mlp()
     return residual, mlp(module, hidden, ops, router_logits=router_logits)
-
-
-PREFETCH_MAX_ROWS = 16  # decode batch sizes: the projections' GEMVs are latency-bound there, not above
-
-
-class _ProjectionPrefetch:
-    """ops.l2_prefetch's plan for one step: the 4-bit projections' bytes hinted into L2 from a side stream
-    (kernels/l2_prefetch.py) while the kernels before their GEMVs run; `join` before the step's end."""
-
-    def __init__(self, layers, ops, rows: int):
-        self.layers, self.plan = layers, ops.l2_prefetch if rows <= PREFETCH_MAX_ROWS else ""
-        if self.plan:
-            from ..kernels import l2_prefetch
-
-            self.device = ops.device
-            self.stream = l2_prefetch.side_stream(ops.device)
-
-    def after_qkv(self, layer_idx: int) -> None:
-        if self.plan:
-            attn = self.layers[layer_idx].self_attn
-            later = self._qkv(layer_idx + 1) if self.plan == "o+qkv" else []
-            self._hint(_linear4bit_tensors(attn.o_proj) + later)
-
-    def after_router(self, layer_idx: int) -> None:
-        if self.plan == "o,qkv":
-            self._hint(self._qkv(layer_idx + 1))
-
-    def join(self) -> None:
-        if self.plan:
-            from ..kernels import l2_prefetch
-
-            l2_prefetch.join(self.stream, self.device)
-
-    def _qkv(self, layer_idx: int) -> list:
-        if layer_idx >= len(self.layers):
-            return []
-        attn = self.layers[layer_idx].self_attn
-        return [t for m in (attn.q_proj, attn.k_proj, attn.v_proj) for t in _linear4bit_tensors(m)]
-
-    def _hint(self, tensors: list) -> None:
-        from ..kernels import l2_prefetch
-
-        l2_prefetch.prefetch_l2(tensors, self.stream)
-
-
-def _linear4bit_tensors(module: nn.Module) -> list:
-    """The tensors a Linear4bit's GEMV reads: its codes, absmax and (double quant) the nested absmax."""
-    state = getattr(getattr(module, "weight", None), "quant_state", None)
-    if state is None:
-        return []
-    nested = getattr(state, "state2", None)
-    return [module.weight.data, state.absmax] + ([nested.absmax] if nested is not None else [])
 
 
 def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -161,15 +104,12 @@ def prenorm_decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: to
         rope_components, -1, -1)
     cos, sin = inner.rotary_emb(residual[:, None], position_ids)  # [b, 1, D]
     mlp_out = None  # the first layer's norm adds nothing
-    prefetch = _ProjectionPrefetch(layers, ops, token_ids.shape[0])
     for layer_idx, layer in enumerate(layers):
         residual, qkv = _norm_qkv(add_norm, layer.input_layernorm, layer.self_attn, residual, mlp_out, ops)
-        prefetch.after_qkv(layer_idx)
         attn_out = attention(layer.self_attn, qkv, cos, sin, positions, cache.keys[layer_idx],
                              cache.values[layer_idx], ops, cache_rows=cache_rows)
         residual, mlp_out = _norm_mlp(add_norm, router_weight, mlp, layer.post_attention_layernorm, layer.mlp,
-                                      residual, attn_out, ops, functools.partial(prefetch.after_router, layer_idx))
-    prefetch.join()
+                                      residual, attn_out, ops)
     residual, hidden = add_norm(inner.norm, residual, mlp_out, ops)
     if logit_rows is not None:
         hidden = hidden.index_select(0, logit_rows)
