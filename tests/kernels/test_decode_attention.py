@@ -116,3 +116,45 @@ def test_kernel_at_qwen3_shapes_on_gpu(rows, length):
     got = decode_attention(q, k, v, positions, 128 ** -0.5)
     want = decode_attention_ref(q.float(), k.float(), v.float(), positions, 128 ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _rope_inputs(rows, q_heads, kv_heads, head_dim, capacity, dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads * head_dim, generator=g) for heads in (q_heads, kv_heads, kv_heads))
+    weights = [1 + 0.1 * torch.randn(head_dim, generator=g) for _ in range(2)]
+    angles = torch.rand(rows, head_dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    caches = [torch.randn(rows, kv_heads, capacity, head_dim, generator=g) for _ in range(2)]
+    return [t.to(DEVICE, dtype) for t in (q, k, v, *weights, cos, sin, *caches)]
+
+
+@needs_triton
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_rope_attention_in_one_split_launch_computes_the_two_ops(monkeypatch, norm, dtype, head_dim):
+    """rope_decode_attention with FUSE_ROPE (q/k norm, RoPE and the K/V write inside the split launch) against
+    qk_norm_rope + decode_attention: the caches bit for bit (the same one-head K code), the outputs to rounding
+    (the norm of the GQA group's queries sums in another layout). Rows whose newest position is in the first,
+    a middle and the last of several splits."""
+    from moegraph.kernels import decode_attention as module
+
+    rows, q_heads, kv_heads, capacity = 3, 4, 2, 2 * MIN_CHUNK + 70
+    positions = torch.tensor([capacity - 1, 0, MIN_CHUNK + 3], device=DEVICE)
+    q, k, v, qw, kw, cos, sin, k_cache, v_cache = _rope_inputs(rows, q_heads, kv_heads, head_dim, capacity, dtype)
+    weights = (qw, kw) if norm else (None, None)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(module, "FUSE_ROPE", fused)
+        caches = (k_cache.clone(), v_cache.clone())
+        out = module.rope_decode_attention(q, k, v, *weights, cos, sin, positions, *caches, 1e-6, head_dim ** -0.5,
+                                           max_splits=3)
+        results[fused] = out, caches
+    (want, want_caches), (got, got_caches) = results[False], results[True]
+    for a, b in zip(got_caches, want_caches):
+        assert torch.equal(a, b)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    ref_caches = (k_cache.clone(), v_cache.clone())
+    ref = module.rope_decode_attention_ref(q, k, v, *weights, cos, sin, positions, *ref_caches, 1e-6,
+                                           head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tolerance, rtol=tolerance)
