@@ -116,9 +116,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
             offset = tl.load(rows_ptr + row) * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
         else:
             offset = row * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
-        head_at = (row * kv_heads + kv) * HEAD_DIM
-        write_kv(k_ptr + head_at, v_ptr + head_at, kw_ptr, cos_row, sin_row, eps, kc_ptr, vc_ptr, offset, HEAD_DIM,
-                 NORM)
+        src = (row * kv_heads + kv) * HEAD_DIM
+        write_kv(k_ptr + src, v_ptr + src, kw_ptr, cos_row, sin_row, eps, kc_ptr, vc_ptr, offset, HEAD_DIM, NORM)
 
 
 def check_norm_weights(q_weight, k_weight, head_dim: int) -> bool:
