@@ -33,8 +33,6 @@ Switches (each a module-level choice that a new patch's captures read):
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step
   before waiting for the kernel before them (the GEMVs always; the one-to-15-token down kernel with the late
   trigger, its routing too); NF4 rows only;
-- fuse_rope: Qwen3's q/k norm, RoPE and K/V cache write inside decode attention's split launch (on) rather than a
-  launch of their own (decode_attention.FUSE_ROPE); q's norm may sum in another order;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -130,10 +128,6 @@ def _nf4_few_16_32(on: bool) -> None:
     nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
 
-def _fuse_rope(on: bool) -> None:
-    decode_attention.FUSE_ROPE = on
-
-
 def _pdl_late_trigger(on) -> None:
     _triton.PDL_EARLY_TRIGGER = None if on is None else not on  # None: each decoder's choice
 
@@ -149,8 +143,7 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
             "nf4_wide_steps": (_nf4_wide_steps, True, True),
             "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
-            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True),
-            "fuse_rope": (_fuse_rope, False, False)}
+            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True)}
 
 
 def _set_all(names, on: bool) -> None:

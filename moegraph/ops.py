@@ -62,9 +62,6 @@ class OpTable:
     add_rms_norm: Callable
     qk_norm_rope: Callable
     decode_attention: Callable  # (q [b, Hq, D], key/value cache, positions [b], scale, window, sinks) -> [b, Hq, D]
-    # (q, k, v projected, q/k norm weights or None, cos, sin, positions, key/value cache, eps, scale, window, sinks)
-    # -> [b, Hq, D]: qk_norm_rope then decode_attention, one query token per row (fused on CUDA: FUSE_ROPE)
-    rope_attention: Callable
     router_logits: Callable  # (hidden [b, H], weight [E, H]) -> [b, E]: hidden @ weight.T in hidden's dtype
     router_topk: Callable
     moe_align: Callable
@@ -98,12 +95,10 @@ class OpTable:
 
 _FUSED = dict(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm, qk_norm_rope=qk_norm_rope.qk_norm_rope,
               decode_attention=decode_attention.decode_attention,
-              rope_attention=decode_attention.rope_decode_attention,
               router_topk=router_topk.router_topk, moe_align=moe_align.moe_align, silu_mul=silu_mul.silu_mul,
               moe_combine=moe_combine.moe_combine, advance=advance.advance)
 _REFERENCE = dict(rms_norm=rms_norm.rms_norm_ref, add_rms_norm=rms_norm.add_rms_norm_ref,
                   qk_norm_rope=qk_norm_rope.qk_norm_rope_ref, decode_attention=decode_attention.decode_attention_ref,
-                  rope_attention=decode_attention.rope_decode_attention_ref,
                   router_topk=router_topk.router_topk_ref,
                   moe_align=moe_align.moe_align_ref, silu_mul=silu_mul.silu_mul_ref,
                   moe_combine=moe_combine.moe_combine_ref, advance=advance.advance_ref)

@@ -264,28 +264,6 @@ def test_projections_on_tensor_cores_from_5_rows(monkeypatch):
     assert forms == [True, True, False, True] * (stats.steps - 1)
 
 
-def test_rope_inside_attention_gives_transformers_tokens(monkeypatch):
-    """decode_attention.FUSE_ROPE through a whole decode (Triton's kernels; the interpreter here): Qwen3's q/k norm,
-    RoPE and K/V write inside the split launch, and transformers' greedy tokens."""
-    from moegraph import ops
-    from moegraph.cuda_graph import decoder
-    from moegraph.kernels import decode_attention
-
-    model = build_model("tiny", seed=4, num_layers=1)
-    monkeypatch.setattr(decoder, "ops_for_model", lambda m, backend="auto": ops.ops_for_model(
-        m, backend, kernels="triton"))
-    monkeypatch.setattr(decode_attention, "FUSE_ROPE", True)
-    launches = []
-    split = decode_attention._split_kernel
-    monkeypatch.setattr(decode_attention, "_split_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: lambda *a, **k: launches.append(k.get("ROPE", False)) or split[grid](
-            *a, **k)})())
-    inputs = random_prompts(3, vocab_size=model.config.vocab_size, seed=27)
-    want, got, stats = _both(model, inputs, max_new_tokens=4, do_sample=False)
-    assert stats.fallback_reason is None and torch.equal(got, want)
-    assert launches and all(launches), launches  # every decode step's attention took the fused form
-
-
 def test_failed_capture_warns_and_decodes_eagerly(model, monkeypatch, caplog):
     """A capture that raises must give one warning and the same tokens from the eager loop."""
     from moegraph.cuda_graph import decoder, graphs

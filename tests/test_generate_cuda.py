@@ -46,29 +46,6 @@ def test_captured_equals_eager_bit_exact(model, batch_size, prefill):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("batch_size", [1, 5])
-def test_rope_inside_attention_captured_equals_eager_and_close_to_the_two_launches(model, batch_size, monkeypatch):
-    """decode_attention.FUSE_ROPE (q/k norm, RoPE and the K/V write inside the split launch): graph replay equals the
-    eager loop bit for bit; the first decode step's logits are the two-launch step's to bf16 rounding."""
-    from moegraph.accuracy import compare
-    from moegraph.kernels import decode_attention
-
-    inputs = random_prompts(batch_size, vocab_size=model.config.vocab_size, min_len=16, max_len=64, seed=7,
-                            device="cuda")
-    apart, _ = _generate(model, inputs, max_batch_size=16)
-    monkeypatch.setattr(decode_attention, "FUSE_ROPE", True)
-    graph_out, graph_stats = _generate(model, inputs, max_batch_size=16)
-    eager_out, _ = _generate(model, inputs, max_batch_size=16, cuda_graphs=False)
-    assert graph_stats.graphs
-    assert torch.equal(graph_out.sequences, eager_out.sequences)
-    for a, b in zip(graph_out.logits, eager_out.logits):
-        assert torch.equal(a, b)
-    # the first decode step reads the same prompt cache and token either way (step 0 is the prefill's logits)
-    assert torch.equal(graph_out.logits[0], apart.logits[0])
-    rel, _ = compare(graph_out.logits[1].float(), apart.logits[1].float())
-    assert rel.max().item() < 0.02, rel
-
-
 @pytest.mark.parametrize("batch_size", [1, 5, 8])
 def test_prefill_graphs_captured_equals_eager_and_follows_transformers_prefill(model, batch_size):
     """patch(prefill="graphs"): the prefill's replayed graph equals its eager run bit for bit (first logits and every

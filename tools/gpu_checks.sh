@@ -21,7 +21,6 @@
 #                           then nf4_final
 #   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
 #   tiles8        ~8 min  issue 8: the new NF4 expert tiles in the decode step, graph == eager, the NF4 bench
-#   fuse_rope     ~5 min  q/k norm + RoPE + K/V write inside decode attention's split launch: checks, A/B
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -163,20 +162,13 @@ w5 16/32 bk256 w8 alone"
         step 240 bench_nf4_done8 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8,32,64 \
             --runs 2 --total-budget-s 220 --out "$out"
         ;;
-    fuse_rope)  # Qwen3's q/k norm + RoPE + K/V write inside decode attention's split launch: the kernel against the
-                # two launches, graph == eager with it, then the decode step A/B (bf16 and NF4)
-        step 150 gpu_tests_fuse_rope python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_decode_attention.py \
-            tests/test_generate_cuda.py -k "rope"
-        step 240 ab_fuse_rope bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches fuse_rope \
-            --batch-sizes 1,8 --runs 2"
-        ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 fuse_rope nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 nf4_final)" >&2
         exit 2
         ;;
     esac

@@ -27,7 +27,6 @@ import torch
 
 from . import _INTERPRET
 from ._triton import pdl, pdl_wait, tl, triton
-from .qk_norm_rope import check_norm_weights, norm_rope_rows, qk_norm_rope, qk_norm_rope_ref, write_kv
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step
@@ -37,9 +36,6 @@ BLOCK_N = 64  # keys per inner step
 MIN_CHUNK = 64
 WAVES = 4  # programs to aim for per SM when choosing max_splits
 COMBINE_SPLITS = 32  # partials the combine weighs at a time
-# rope_decode_attention: q/k norm, RoPE and the K/V cache write inside the split launch (one launch less a layer)
-# rather than qk_norm_rope's own. Untimed: ab_decode.py fuse_rope decides the default.
-FUSE_ROPE = False
 
 
 @triton.jit
@@ -47,10 +43,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
                   scale_log2, window, max_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MIN_KEYS: tl.constexpr, WINDOWED: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, CACHE_ROWS: tl.constexpr = False,
-                  USE_PDL: tl.constexpr = False, k_new_ptr=None, v_new_ptr=None, qw_ptr=None, kw_ptr=None,
-                  cos_ptr=None, sin_ptr=None, eps=0.0, ROPE: tl.constexpr = False, NORM: tl.constexpr = False):
-    # ROPE (one query token per row, its row's cache): q_ptr holds the projections' q, k_new_ptr / v_new_ptr their
-    # k / v; q/k-norm (NORM) and RoPE run here, and the split holding the newest position writes its K/V first
+                  USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # before reading what an earlier kernel wrote
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -69,19 +62,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
         dims = tl.arange(0, HEAD_DIM)
         heads = kv * GROUP + group
         in_group = group < GROUP
+        q = tl.load(q_ptr + (row * q_heads + heads)[:, None] * HEAD_DIM + dims[None, :], mask=in_group[:, None],
+                    other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies 16-bit floats in tl.dot wrongly; the GPU keeps them
+            q = q.to(tl.float32)
         if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
             base = tl.load(rows_ptr + row) * k_row_stride + kv * k_head_stride
         else:
             base = row * k_row_stride + kv * k_head_stride
-        if ROPE:
-            q = _rope_queries(q_ptr, k_new_ptr, v_new_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, k_ptr, v_ptr, row,
-                              kv, heads, in_group, q_heads, base + (end - 1) * HEAD_DIM, hi == end, GROUP_PAD,
-                              HEAD_DIM, NORM)
-        else:
-            q = tl.load(q_ptr + (row * q_heads + heads)[:, None] * HEAD_DIM + dims[None, :], mask=in_group[:, None],
-                        other=0.0)
-        if UPCAST:  # Triton's interpreter multiplies 16-bit floats in tl.dot wrongly; the GPU keeps them
-            q = q.to(tl.float32)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -109,29 +97,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, acc_ptr, ml_ptr, q_hea
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=in_group[:, None])
         tl.store(ml_ptr + part * 2, m, mask=in_group)
         tl.store(ml_ptr + part * 2 + 1, l, mask=in_group)
-
-
-@triton.jit
-def _rope_queries(q_ptr, k_new_ptr, v_new_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, k_cache_ptr, v_cache_ptr, row,
-                  kv, heads, in_group, q_heads, newest, WRITES_KV, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NORM: tl.constexpr):
-    """The GQA group's queries [GROUP_PAD, HEAD_DIM] of one token, normed and rotated as qk_norm_rope does; where
-    WRITES_KV (the split holding the newest position), the token's K (normed, rotated) and V go into the caches at
-    `newest` first, visible to this program's loads after the barrier."""
-    half: tl.constexpr = HEAD_DIM // 2
-    cos_row = cos_ptr + row * HEAD_DIM
-    sin_row = sin_ptr + row * HEAD_DIM
-    if WRITES_KV:
-        new = (row * tl.num_programs(1) + kv) * HEAD_DIM
-        write_kv(k_new_ptr + new, v_new_ptr + new, kw_ptr, cos_row, sin_row, eps, k_cache_ptr, v_cache_ptr, newest,
-                 HEAD_DIM, NORM)
-        tl.debug_barrier()
-    halves = tl.arange(0, half)
-    src = q_ptr + (row * q_heads + heads)[:, None] * HEAD_DIM + halves[None, :]
-    qa, qb = norm_rope_rows(tl.load(src, mask=in_group[:, None], other=0.0),
-                            tl.load(src + half, mask=in_group[:, None], other=0.0), qw_ptr, cos_row, sin_row, eps,
-                            half, NORM)
-    return tl.reshape(tl.permute(tl.join(qa, qb), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
 
 
 @triton.jit
@@ -193,50 +158,16 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """See the module docstring. window: keys visible to a query, itself included (None: all); sinks [Hq];
     max_splits: override the launch's split count (tests); cache_rows [b]: the cache row each query reads
     (default: query row i reads cache row i; a prefill's prompt tokens share their row's)."""
-    _check(q, key_cache, value_cache, positions, sinks, cache_rows)
-    return _launch(q.contiguous(), q.shape, key_cache, value_cache, positions, scale, window, sinks, max_splits,
-                   cache_rows)
-
-
-def rope_decode_attention(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps,
-                          scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-                          max_splits: int | None = None) -> torch.Tensor:
-    """qk_norm_rope (q/k norm where the weights are given, RoPE, the K/V cache write) then decode_attention, for one
-    query token per row over its row's cache (q [b, Hq*D], k / v [b, Hkv*D], cos / sin [b, D]): with FUSE_ROPE in
-    decode attention's split launch (the same roundings; q's norm sums may run in another order), else the two
-    ops."""
-    rows, head_dim = q.shape[0], key_cache.shape[-1]
-    if not FUSE_ROPE or head_dim & (head_dim - 1):
-        q = qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps)
-        return decode_attention(q, key_cache, value_cache, positions, scale, window, sinks, max_splits)
-    norm = check_norm_weights(q_weight, k_weight, head_dim)
-    q_shape = (rows, q.shape[-1] // head_dim, head_dim)
-    _check(q.reshape(q_shape), key_cache, value_cache, positions, sinks)
-    if not norm:  # the kernel reads no weight when NORM is off
-        q_weight = k_weight = q
-    rope = dict(k_new_ptr=k.reshape(rows, -1).contiguous(), v_new_ptr=v.reshape(rows, -1).contiguous(),
-                qw_ptr=q_weight, kw_ptr=k_weight, cos_ptr=cos.reshape(rows, head_dim).contiguous(),
-                sin_ptr=sin.reshape(rows, head_dim).contiguous(), eps=eps or 0.0, ROPE=True, NORM=norm)
-    return _launch(q.reshape(rows, -1).contiguous(), q_shape, key_cache, value_cache, positions, scale, window, sinks,
-                   max_splits, None, rope)
-
-
-def rope_decode_attention_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps,
-                              scale: float, window=None, sinks=None, max_splits=None) -> torch.Tensor:
-    q = qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps)
-    return decode_attention_ref(q, key_cache, value_cache, positions, scale, window, sinks, max_splits)
-
-
-def _launch(q, q_shape, key_cache, value_cache, positions, scale, window, sinks, max_splits, cache_rows,
-            rope: dict | None = None) -> torch.Tensor:
-    rows, q_heads, head_dim = q_shape
+    rows, q_heads, head_dim = q.shape
     _, kv_heads, capacity, _ = key_cache.shape
+    _check(q, key_cache, value_cache, positions, sinks, cache_rows)
     group = q_heads // kv_heads
     if max_splits is None:
         max_splits = choose_max_splits(rows, kv_heads, capacity, q.device)
+    q = q.contiguous()
     partial_acc = torch.empty((rows, q_heads, max_splits, head_dim), dtype=torch.float32, device=q.device)
     partial_ml = torch.empty((rows, q_heads, max_splits, 2), dtype=torch.float32, device=q.device)
-    out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     windowed = window is not None
     window = window if windowed else 0
     splits_pad = triton.next_power_of_2(max_splits)
@@ -246,7 +177,7 @@ def _launch(q, q_shape, key_cache, value_cache, positions, scale, window, sinks,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, MIN_KEYS=MIN_CHUNK,
         WINDOWED=windowed, UPCAST=_INTERPRET, CACHE_ROWS=cache_rows is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
-        **(rope or {}), **pdl(q.device))
+        **pdl(q.device))
     _combine_kernel[(rows, q_heads)](
         partial_acc, partial_ml, positions, sinks if sinks is not None else partial_ml, out, q_heads, window,
         max_splits, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, SPLITS_STEP=min(splits_pad, COMBINE_SPLITS),

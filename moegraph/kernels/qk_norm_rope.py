@@ -48,48 +48,6 @@ def _norm_rope_half(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NO
 
 
 @triton.jit
-def norm_rope_rows(xa, xb, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """_norm_rope_half over the rows of [R, HALF] halves (several heads of one token): the same roundings; the
-    norm's sums may run in another order than the one-head form (another layout)."""
-    out_dtype = xa.dtype
-    cols = tl.arange(0, HALF)[None, :]
-    xaf = xa.to(tl.float32)
-    xbf = xb.to(tl.float32)
-    if NORM:
-        variance = (tl.sum(xaf * xaf, axis=1) + tl.sum(xbf * xbf, axis=1)) / (2 * HALF)
-        inv = tl.rsqrt(variance + eps)[:, None]
-        wa = tl.load(w_ptr + cols).to(tl.float32)
-        wb = tl.load(w_ptr + HALF + cols).to(tl.float32)
-        na = (wa * (xaf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-        nb = (wb * (xbf * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-    else:
-        na = xaf
-        nb = xbf
-    ca = tl.load(cos_ptr + cols).to(tl.float32)
-    cb = tl.load(cos_ptr + HALF + cols).to(tl.float32)
-    sa = tl.load(sin_ptr + cols).to(tl.float32)
-    sb = tl.load(sin_ptr + HALF + cols).to(tl.float32)
-    oa = ((na * ca).to(out_dtype).to(tl.float32) + (-nb * sa).to(out_dtype).to(tl.float32)).to(out_dtype)
-    ob = ((nb * cb).to(out_dtype).to(tl.float32) + (na * sb).to(out_dtype).to(tl.float32)).to(out_dtype)
-    return oa, ob
-
-
-@triton.jit
-def write_kv(k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, eps, kc_ptr, vc_ptr, offset, HEAD_DIM: tl.constexpr,
-             NORM: tl.constexpr):
-    """One token's K of one KV head normed and rotated, and its V, stored into the caches at `offset` (the
-    position's first element): k_ptr / v_ptr point at the head's projection outputs, cos_ptr / sin_ptr at the row's."""
-    half: tl.constexpr = HEAD_DIM // 2
-    cols = tl.arange(0, half)
-    oa, ob = _norm_rope_half(tl.load(k_ptr + cols), tl.load(k_ptr + half + cols), kw_ptr, cos_ptr, sin_ptr, eps,
-                             half, NORM)
-    tl.store(kc_ptr + offset + cols, oa.to(kc_ptr.dtype.element_ty))
-    tl.store(kc_ptr + offset + half + cols, ob.to(kc_ptr.dtype.element_ty))
-    tl.store(vc_ptr + offset + cols, tl.load(v_ptr + cols))
-    tl.store(vc_ptr + offset + half + cols, tl.load(v_ptr + half + cols))
-
-
-@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_out_ptr,
                          kc_ptr, vc_ptr, q_heads, kv_heads, kc_row_stride, kc_head_stride, eps,
                          HEAD_DIM: tl.constexpr, NORM: tl.constexpr, CACHE_ROWS: tl.constexpr = False,
@@ -111,16 +69,23 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
         tl.store(dst + half + cols, ob)
     else:
         kv = head - q_heads
+        src = k_ptr + (row * kv_heads + kv) * HEAD_DIM
+        xa = tl.load(src + cols)
+        xb = tl.load(src + half + cols)
+        oa, ob = _norm_rope_half(xa, xb, kw_ptr, cos_row, sin_row, eps, half, NORM)
         pos = tl.load(pos_ptr + row)
         if CACHE_ROWS:  # query rows are tokens of the cache rows given (a prefill's prompt tokens)
             offset = tl.load(rows_ptr + row) * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
         else:
             offset = row * kc_row_stride + kv * kc_head_stride + pos * HEAD_DIM
-        src = (row * kv_heads + kv) * HEAD_DIM
-        write_kv(k_ptr + src, v_ptr + src, kw_ptr, cos_row, sin_row, eps, kc_ptr, vc_ptr, offset, HEAD_DIM, NORM)
+        tl.store(kc_ptr + offset + cols, oa.to(kc_ptr.dtype.element_ty))
+        tl.store(kc_ptr + offset + half + cols, ob.to(kc_ptr.dtype.element_ty))
+        vsrc = v_ptr + (row * kv_heads + kv) * HEAD_DIM
+        tl.store(vc_ptr + offset + cols, tl.load(vsrc + cols))
+        tl.store(vc_ptr + offset + half + cols, tl.load(vsrc + half + cols))
 
 
-def check_norm_weights(q_weight, k_weight, head_dim: int) -> bool:
+def _check_weights(q_weight, k_weight, head_dim: int) -> bool:
     """Whether q/k are normed: both weights [head_dim], or both None (RoPE only)."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: pass both q_weight and k_weight, or neither (RoPE only)")
@@ -133,7 +98,7 @@ def check_norm_weights(q_weight, k_weight, head_dim: int) -> bool:
 def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps, cache_rows=None):
     """cache_rows [b] (optional): the cache row each row's K/V go to (default: row i to cache row i)."""
     rows, head_dim = q.shape[0], key_cache.shape[-1]
-    norm = check_norm_weights(q_weight, k_weight, head_dim)
+    norm = _check_weights(q_weight, k_weight, head_dim)
     q_heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
     if head_dim % 2 or head_dim & (head_dim - 1):
         raise ValueError(f"qk_norm_rope: head_dim must be a power of two, got {head_dim}")
@@ -156,7 +121,7 @@ def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache
 
     rows, head_dim = q.shape[0], key_cache.shape[-1]
     q, k = q.reshape(rows, -1, head_dim), k.reshape(rows, -1, head_dim)  # [b, Hq, D], [b, Hkv, D]
-    if check_norm_weights(q_weight, k_weight, head_dim):
+    if _check_weights(q_weight, k_weight, head_dim):
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     cos, sin = cos.reshape(rows, 1, head_dim), sin.reshape(rows, 1, head_dim)
 

@@ -125,25 +125,6 @@ def rows_of_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, rows: int,
     return key_cache, value_cache
 
 
-def rope_gqa_attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                       key_cache: torch.Tensor, value_cache: torch.Tensor, eps: float | None, ops,
-                       cache_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """q/k-norm (where the weights are given) + RoPE + the K/V cache write, attention and o_proj for the projected
-    (q, k, v): [b, H]. One token per row (a decode step): ops.rope_attention (on CUDA one launch fewer); a
-    prefill's prompt tokens (cache_rows): ops.qk_norm_rope, then gqa_attention."""
-    q, k, v = qkv
-    rows = q.shape[0]
-    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
-    if cache_rows is not None:
-        q = ops.qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps,
-                             cache_rows=cache_rows)
-        return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
-    out = ops.rope_attention(q, k, v, q_weight, k_weight, cos, sin, positions, key_cache, value_cache, eps,
-                             attn.scaling)
-    return ops.linear(attn.o_proj, out.reshape(rows, -1))
-
-
 def gqa_attention(attn: nn.Module, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   positions: torch.Tensor, ops, window: int | None = None,
                   sinks: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor:

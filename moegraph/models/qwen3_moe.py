@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._shared import moe_gate_weight, prenorm_decode_forward, rope_gqa_attention, softmax_topk_experts
+from ._shared import gqa_attention, moe_gate_weight, prenorm_decode_forward, rows_of_cache, softmax_topk_experts
 
 if TYPE_CHECKING:
     from ..cuda_graph.static_cache import StaticKVCache
@@ -35,8 +35,13 @@ def decode_forward(model: nn.Module, cache: StaticKVCache, token_ids: torch.Tens
 
 def _attention(attn: nn.Module, qkv: tuple[torch.Tensor, ...], cos, sin, positions, key_cache, value_cache,
                ops, cache_rows=None) -> torch.Tensor:
-    return rope_gqa_attention(attn, qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
-                              value_cache, attn.q_norm.variance_epsilon, ops, cache_rows=cache_rows)
+    q, k, v = qkv
+    rows = q.shape[0]
+    key_cache, value_cache = rows_of_cache(key_cache, value_cache, rows, cache_rows)
+    # [b, Hq, D]; K/V written at `positions` (of each row's cache row)
+    q = ops.qk_norm_rope(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions, key_cache,
+                         value_cache, attn.q_norm.variance_epsilon, cache_rows=cache_rows)
+    return gqa_attention(attn, q, key_cache, value_cache, positions, ops, cache_rows=cache_rows)
 
 
 def _mlp(mlp: nn.Module, hidden: torch.Tensor, ops,
