@@ -33,6 +33,8 @@ Switches (each a module-level choice that a new patch's captures read):
 - early_weights (on by default since 2026-12-07): under PDL the NF4 words loops load their first weight step
   before waiting for the kernel before them (the GEMVs always; the one-to-15-token down kernel with the late
   trigger, its routing too); NF4 rows only;
+- nf4_one_token_gu1024 / nf4_one_token_gu2048: the one-token NF4 gate_up's 2048-long rows in 1024- or 2048-wide
+  steps (on) rather than 512 (nf4_moe.ONE_TOKEN_BLOCK_K); NF4 rows only;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -124,6 +126,12 @@ def _nf4_one_token_k512(on: bool) -> None:
     nf4_moe.ONE_TOKEN_BLOCK_K = (512, 256) if on else (256, 256)
 
 
+def _nf4_one_token_gu(width: int):
+    def switch(on: bool) -> None:
+        nf4_moe.ONE_TOKEN_BLOCK_K = (width, 256) if on else (512, 256)
+    return switch
+
+
 def _nf4_few_16_32(on: bool) -> None:
     nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
@@ -143,7 +151,9 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "nf4_one_token_w8": (_nf4_one_token_w8, True, True),
             "nf4_wide_steps": (_nf4_wide_steps, True, True),
             "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
-            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True)}
+            "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True),
+            "nf4_one_token_gu1024": (_nf4_one_token_gu(1024), False, True),
+            "nf4_one_token_gu2048": (_nf4_one_token_gu(2048), False, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -121,6 +121,18 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "w5 8/32 bk256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=32, num_warps=8),
     "w5 8/32 gu512 dn256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=32, block_k=512, down_block_k=256,
                                 num_warps=8),
+    # fewer steps a program at one token (each a round trip to DRAM): gate_up's rows in 2 or 1, down's in 1 (768 of
+    # 1024 columns live)
+    "w5 8/16 gu1024 dn256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=1024, down_block_k=256,
+                                 num_warps=8),
+    "w5 8/16 gu2048 dn256 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=2048, down_block_k=256,
+                                 num_warps=8),
+    "w5 4/16 gu2048 dn256 w4": C(use_dot=False, gate_up_block_n=4, down_block_n=16, block_k=2048, down_block_k=256,
+                                 num_warps=4),
+    "w5 8/16 gu512 dn1024 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, down_block_k=1024,
+                                 num_warps=8),
+    "w5 16/32 gu512 dn256 w8": C(use_dot=False, gate_up_block_n=16, down_block_n=32, block_k=512, down_block_k=256,
+                                 num_warps=8),
     "w5 16/32 bk256 w8 alone": C(use_dot=False, gate_up_block_n=16, down_block_n=32, num_warps=8, shared_x=False),
     # wider steps, more of each thread's bytes in flight: slower at 1 and 8 tokens (H100, 2026-12-07)
     "w5 8/16 bk512 w8": C(use_dot=False, gate_up_block_n=8, down_block_n=16, block_k=512, num_warps=8),
