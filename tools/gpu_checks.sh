@@ -21,7 +21,7 @@
 #                           then nf4_final
 #   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
 #   tiles8        ~8 min  issue 8: the new NF4 expert tiles in the decode step, graph == eager, the NF4 bench
-#   steps1        ~6 min  issue 8: the one-token NF4 experts in wider steps: kernel times, decode-step A/B
+#   steps1        ~4 min  issue 8: the one-token NF4 experts in wider steps: kernel times, decode-step A/B
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -164,10 +164,10 @@ w5 16/32 bk256 w8 alone"
             --runs 2 --total-budget-s 220 --out "$out"
         ;;
     steps1)  # issue 8: the one-token NF4 experts in fewer, wider steps: kernel times, then the decode step A/B
-        step 240 nf4_kernels_steps1 python3 benchmarks/nf4_kernels.py --only moe --rows 1,8 --configs \
-            "w5 8/16 gu1024 dn256 w8,w5 8/16 gu2048 dn256 w8,w5 4/16 gu2048 dn256 w4,w5 8/16 gu512 dn1024 w8,w5 8/32 gu512 dn256 w8,w5 16/32 gu512 dn256 w8"
-        step 150 ab_steps1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            nf4_one_token_gu1024,nf4_one_token_gu2048 --batch-sizes 1 --runs 2"
+        step 150 nf4_kernels_steps1 python3 benchmarks/nf4_kernels.py --only moe --rows 1 --configs \
+            "w5 8/16 gu1024 dn256 w8,w5 8/16 gu2048 dn256 w8,w5 16/32 gu512 dn256 w8"
+        step 100 ab_steps1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_one_token_gu2048 --batch-sizes 1 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
