@@ -163,11 +163,11 @@ w5 16/32 bk256 w8 alone"
         step 240 bench_nf4_done8 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8,32,64 \
             --runs 2 --total-budget-s 220 --out "$out"
         ;;
-    steps1)  # issue 8: the one-token NF4 experts in fewer, wider steps: kernel times, then the decode step A/B
-        step 150 nf4_kernels_steps1 python3 benchmarks/nf4_kernels.py --only moe --rows 1 --configs \
+    steps1)  # issue 8: the one-token NF4 experts in fewer, wider steps: the decode step A/B, then kernel times
+        step 110 ab_steps1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_one_token_gu1024,nf4_one_token_gu2048 --batch-sizes 1 --runs 2"
+        step 120 nf4_kernels_steps1 python3 benchmarks/nf4_kernels.py --only moe --rows 1 --configs \
             "w5 8/16 gu1024 dn256 w8,w5 8/16 gu2048 dn256 w8,w5 16/32 gu512 dn256 w8"
-        step 100 ab_steps1 bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
-            nf4_one_token_gu2048 --batch-sizes 1 --runs 2"
         ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
