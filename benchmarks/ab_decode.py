@@ -35,6 +35,9 @@ Switches (each a module-level choice that a new patch's captures read):
   trigger, its routing too); NF4 rows only;
 - nf4_one_token_gu1024 / nf4_one_token_gu2048: the one-token NF4 gate_up's 2048-long rows in 1024- or 2048-wide
   steps (on) rather than 512 (nf4_moe.ONE_TOKEN_BLOCK_K); NF4 rows only;
+- nf4_dot_stages2 / nf4_dot_stages1: the NF4 tensor-core path (16+ tokens) with 2 or 1 pipelining stages (on)
+  rather than Triton's default (nf4_moe.DOT_NUM_STAGES): less shared memory a program, more programs an SM; NF4
+  rows only, the same bits;
 - pdl_late_trigger: a graph's kernel lets the next one launch only once its own wait is over (on), or at its start
   (off), whatever the decoder would choose (_triton.PDL_EARLY_TRIGGER; ops.OpTable.pdl_early_trigger).
 Tokens are compared with the switch off: fused norms, tensor cores, one warp's reduction order and grouping may
@@ -132,6 +135,12 @@ def _nf4_one_token_gu(width: int):
     return switch
 
 
+def _nf4_dot_stages(stages: int):
+    def switch(on: bool) -> None:
+        nf4_moe.DOT_NUM_STAGES = stages if on else None
+    return switch
+
+
 def _nf4_few_16_32(on: bool) -> None:
     nf4_moe.FEW_TOKENS_BLOCK_N = (16, 32) if on else (8, 16)
 
@@ -153,7 +162,8 @@ SWITCHES = {"fuse_norms": (_fuse_norms, None, False), "pair_combine": (_pair_com
             "early_weights": (_early_weights, True, True), "nf4_shared_x": (_nf4_shared_x, True, True),
             "nf4_one_token_k512": (_nf4_one_token_k512, True, True), "nf4_few_16_32": (_nf4_few_16_32, True, True),
             "nf4_one_token_gu1024": (_nf4_one_token_gu(1024), False, True),
-            "nf4_one_token_gu2048": (_nf4_one_token_gu(2048), False, True)}
+            "nf4_one_token_gu2048": (_nf4_one_token_gu(2048), False, True),
+            "nf4_dot_stages2": (_nf4_dot_stages(2), False, True), "nf4_dot_stages1": (_nf4_dot_stages(1), False, True)}
 
 
 def _set_all(names, on: bool) -> None:

@@ -101,6 +101,9 @@ MOE_CONFIGS = {  # gate_up / down block_n, block_k (>= 512: each step summed at 
     "fma lookup4": C(use_dot=False, lookup=4),
     "fma lookup4 pairs": C(use_dot=False, lookup=4, x_pairs=True),
     "dot lookup4": C(use_dot=True, lookup=4),
+    # fewer pipelining stages: less shared memory a program, more programs an SM (time at --rows 32,64)
+    "dot s2": C(use_dot=True, num_stages=2),
+    "dot s1": C(use_dot=True, num_stages=1),
     "fma lookup5": C(use_dot=False, lookup=5),
     # the words lookup (the default since 2026-12-06) in other tiles, and the tables it replaced
     "fma lookup1": C(use_dot=False, lookup=1),

@@ -246,7 +246,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                "nf4_shared_x": lambda: nf4_moe.SHARED_X, "nf4_one_token_k512": lambda: nf4_moe.ONE_TOKEN_BLOCK_K,
                "nf4_few_16_32": lambda: nf4_moe.FEW_TOKENS_BLOCK_N,
                "nf4_one_token_gu1024": lambda: nf4_moe.ONE_TOKEN_BLOCK_K,
-               "nf4_one_token_gu2048": lambda: nf4_moe.ONE_TOKEN_BLOCK_K}
+               "nf4_one_token_gu2048": lambda: nf4_moe.ONE_TOKEN_BLOCK_K,
+               "nf4_dot_stages2": lambda: nf4_moe.DOT_NUM_STAGES, "nf4_dot_stages1": lambda: nf4_moe.DOT_NUM_STAGES}
     assert set(watched) == set(ab_decode.SWITCHES)
     for name, module_attr in (("pair_combine", (fused_moe, "PAIR_COMBINE")), ("gemv_dot", (gemv, "DOT_MAX_ROWS")),
                               ("one_warp", (router_topk, "ROUTER_WARPS")),
@@ -258,7 +259,8 @@ def test_every_ab_decode_switch_changes_what_it_names(monkeypatch):
                               ("early_weights", (nf4_moe, "WEIGHTS_BEFORE_WAIT")),
                               ("nf4_wide_steps", (nf4_gemv, "WIDE_TILE")), ("nf4_shared_x", (nf4_moe, "SHARED_X")),
                               ("nf4_one_token_k512", (nf4_moe, "ONE_TOKEN_BLOCK_K")),
-                              ("nf4_few_16_32", (nf4_moe, "FEW_TOKENS_BLOCK_N"))):
+                              ("nf4_few_16_32", (nf4_moe, "FEW_TOKENS_BLOCK_N")),
+                              ("nf4_dot_stages2", (nf4_moe, "DOT_NUM_STAGES"))):
         monkeypatch.setattr(*module_attr, getattr(*module_attr))  # restored after the test
     monkeypatch.setattr(nf4_moe, "PAIR_COMBINE", nf4_moe.PAIR_COMBINE)
     monkeypatch.setattr(nf4_gemv, "LOOKUP", nf4_gemv.LOOKUP)

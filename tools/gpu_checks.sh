@@ -22,6 +22,7 @@
 #   shared_x      ~9 min  issue 8: two words a thread against one x load in the NF4 words loops, timed and checked
 #   tiles8        ~8 min  issue 8: the new NF4 expert tiles in the decode step, graph == eager, the NF4 bench
 #   steps1        ~4 min  issue 8: the one-token NF4 experts in wider steps: kernel times, decode-step A/B
+#   dot_stages    ~6 min  NF4 at 32 / 64 rows with fewer pipelining stages: kernel times, decode-step A/B
 #   done8         ~8 min  issue 8's "Done when": graph == eager, the NF4 bench at 1 / 8 / 32 / 64 beside bf16, memory
 #   nf4_final     ~5 min  issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench at
 #                           batch 1 / 8
@@ -169,13 +170,18 @@ w5 16/32 bk256 w8 alone"
         step 120 nf4_kernels_steps1 python3 benchmarks/nf4_kernels.py --only moe --rows 1 --configs \
             "w5 8/16 gu1024 dn256 w8,w5 8/16 gu2048 dn256 w8,w5 16/32 gu512 dn256 w8"
         ;;
+    dot_stages)  # the NF4 tensor-core path (16+ tokens) with fewer pipelining stages: kernel times, decode A/B
+        step 150 nf4_kernels_dot python3 benchmarks/nf4_kernels.py --only moe --rows 32,64 --configs "dot s2,dot s1"
+        step 200 ab_dot_stages bash -c "cd benchmarks && python3 ab_decode.py --num-layers 48 --switches \
+            nf4_dot_stages2,nf4_dot_stages1 --batch-sizes 32,64 --runs 2"
+        ;;
     nf4_final)  # issue 8 with little device time: graph == eager with the day's defaults, the NF4 bench
         stage defaults_tests
         step 150 bench_nf4 python3 -m moegraph bench --quant nf4 --backends moegraph --batch-sizes 1,8 --runs 2 \
             --total-budget-s 130 --out "$out"
         ;;
     *)
-        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 steps1 nf4_final)" >&2
+        echo "usage: $0 STAGE... (kernel_tests model_tests tests kernels ab bench_decode bench_quant bench short done11 nf4_shuffle batch1 defaults_tests wide_steps shared_x tiles8 tiles8_short done8 steps1 dot_stages nf4_final)" >&2
         exit 2
         ;;
     esac

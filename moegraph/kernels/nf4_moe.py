@@ -81,6 +81,11 @@ WEIGHTS_BEFORE_WAIT = True
 # x load and its unpacking (_nf4_matmul SHARE_X). One token 18.06 us against 18.46, 8 tokens 91.6 against 94.3
 # (nf4_kernels.py, graph replay, H100, 2026-12-07)
 SHARED_X = True
+# tensor-core path (16+ tokens): software-pipelining stages of its loops; None: Triton's default. The stages' shared
+# memory bounds the programs an SM holds (sm_90 SASS, tools/sass_report.py, T=32: gate_up 24 / 16 / 8 KB and down
+# 32 / 24 / 16 KB a program at the default / 2 / 1 stages, 2 warps each), and the path is latency-bound (23-24% of
+# its roofline at 32-64 rows, H100). Untimed: ab_decode.py nf4_dot_stages2 / nf4_dot_stages1
+DOT_NUM_STAGES = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class NF4MoEConfig:
     use_dot: Optional[bool] = None
     # None: ONE_TOKEN_NUM_WARPS (FEW_TOKENS_NUM_WARPS for 2-15 tokens), or one warp per 16 rows on tensor cores
     num_warps: Optional[int] = None
-    num_stages: Optional[int] = None  # None: Triton's default
+    num_stages: Optional[int] = None  # None: DOT_NUM_STAGES on tensor cores, else Triton's default
     # None: the module's LOOKUP / X_PAIRS (FEW_TOKENS_* for 2-15 tokens) / PAIR_COMBINE at the call (what a
     # decode-wide A/B switches)
     lookup: Optional[int] = None
@@ -230,8 +235,9 @@ def _down_combine_nf4_kernel(act_ptr, expert_ptr, weights_ptr, out_ptr, w_ptr, a
 
 def _launch_options(cfg: NF4MoEConfig, use_dot: bool, block_n: int, device) -> dict:
     launch = {"num_warps": cfg.num_warps or (max(2, block_n // 16) if use_dot else NUM_WARPS)}
-    if cfg.num_stages is not None:
-        launch["num_stages"] = cfg.num_stages
+    stages = cfg.num_stages if cfg.num_stages is not None else DOT_NUM_STAGES if use_dot else None
+    if stages is not None:
+        launch["num_stages"] = stages
     return dict(launch, **pdl(device))
 
 
